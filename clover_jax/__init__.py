@@ -1,0 +1,6 @@
+"""clover-jax: a JAX/Flax implementation of Clover-35B-A3B-Preview and its Qwen3.5-MoE backbone."""
+
+from clover_jax.clover_model import CloverModel
+from clover_jax.config import CloverConfig, ConfigError
+
+__all__ = ["CloverModel", "CloverConfig", "ConfigError"]

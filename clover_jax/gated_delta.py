@@ -1,0 +1,140 @@
+"""The gated delta rule of Gated DeltaNet, chunked (for prefill and commits) and per token.
+
+Per value head, with a float32 state `S ∈ R^{key_dim × value_dim}`:
+
+    S ← exp(g_t) S
+    S ← S + k_t (beta_t (v_t − Sᵀ k_t))ᵀ
+    o_t = Sᵀ q_t
+
+Inputs follow transformers' `torch_chunk_gated_delta_rule` with `use_qk_l2norm_in_kernel`
+already applied by the caller: `query` is L2-normalised and scaled by `key_dim ** -0.5`,
+`key` is L2-normalised. Each of the key heads serves `value_heads / key_heads` consecutive
+value heads.
+
+The chunked form turns the per-token recurrence into matmuls inside chunks of 64 tokens
+(the "UT transform": a unit lower-triangular solve replaces the chain of delta updates) and
+a `lax.scan` carries the state from chunk to chunk, so memory is linear in the length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+CHUNK_SIZE = 64
+_EXACT = jax.lax.Precision.HIGHEST  # the recurrent state stays float32 on TPU too
+
+
+def _repeat_key_heads(x: jax.Array, num_value_heads: int) -> jax.Array:
+    """[batch, tokens, key_heads, dim] -> [batch, tokens, value_heads, dim], consecutive sharing."""
+    return jnp.repeat(x, num_value_heads // x.shape[2], axis=2)
+
+
+def _zero_state(key: jax.Array, value: jax.Array) -> jax.Array:
+    batch, _, _, key_dim = key.shape
+    _, _, num_value_heads, value_dim = value.shape
+    return jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+
+
+def chunked_gated_delta_rule(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked gated delta rule.
+
+    query, key: [batch, tokens, key_heads, key_dim]
+    value:      [batch, tokens, value_heads, value_dim]
+    decay:      [batch, tokens, value_heads]  (log-space g, <= 0)
+    beta:       [batch, tokens, value_heads]
+    initial_state: float32 [batch, value_heads, key_dim, value_dim] or None (zeros)
+    returns (float32 [batch, tokens, value_heads, value_dim], float32 final state)
+    """
+    num_tokens = key.shape[1]
+    num_value_heads = value.shape[2]
+    state = _zero_state(key, value) if initial_state is None else initial_state.astype(jnp.float32)
+
+    query, key = (_repeat_key_heads(x, num_value_heads).astype(jnp.float32) for x in (query, key))
+    value, decay, beta = (x.astype(jnp.float32) for x in (value, decay, beta))
+
+    # Zero padding is inert: g = 0 keeps the state, beta = 0 and k = 0 write nothing.
+    pad = (-num_tokens) % chunk_size
+    pad_tokens = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    query, key, value, decay, beta = map(pad_tokens, (query, key, value, decay, beta))
+
+    to_chunks = lambda x: rearrange(x, "b (n c) h ... -> b h n c ...", c=chunk_size)
+    query, key, value, decay, beta = map(to_chunks, (query, key, value, decay, beta))
+
+    cumulative = jnp.cumsum(decay, axis=-1)  # [b, h, n, c]: log decay from chunk start to each token
+    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    strictly_causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    log_pairwise = cumulative[..., :, None] - cumulative[..., None, :]
+    pairwise_decay = jnp.exp(jnp.where(causal, log_pairwise, -jnp.inf))  # [b, h, n, c, c]
+
+    key_beta = key * beta[..., None]
+    value_beta = value * beta[..., None]
+    interactions = jnp.einsum("bhnid,bhnjd->bhnij", key_beta, key, precision=_EXACT) * pairwise_decay
+    unit_lower = jnp.where(strictly_causal, interactions, 0.0) + jnp.eye(chunk_size, dtype=jnp.float32)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(
+        unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_values = solve(value_beta)                                   # [b, h, n, c, value_dim]
+    decayed_keys = solve(key_beta * jnp.exp(cumulative)[..., None])  # [b, h, n, c, key_dim]
+
+    intra_chunk = jnp.einsum("bhnid,bhnjd->bhnij", query, key, precision=_EXACT) * pairwise_decay
+    query_decayed = query * jnp.exp(cumulative)[..., None]
+    key_to_chunk_end = key * jnp.exp(cumulative[..., -1:] - cumulative)[..., None]
+    chunk_decay = jnp.exp(cumulative[..., -1])  # [b, h, n]
+
+    def step(state, chunk):
+        new_value, decayed_key, query_c, key_c, intra, decay_c = chunk
+        correction = new_value - jnp.einsum("bhcd,bhde->bhce", decayed_key, state, precision=_EXACT)
+        out = (jnp.einsum("bhcd,bhde->bhce", query_c, state, precision=_EXACT)
+               + jnp.einsum("bhij,bhje->bhie", intra, correction, precision=_EXACT))
+        state = state * decay_c[..., None, None] + jnp.einsum(
+            "bhcd,bhce->bhde", key_c, correction, precision=_EXACT)
+        return state, out
+
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
+    state, out = jax.lax.scan(step, state, tuple(map(chunk_major, (
+        new_values, decayed_keys, query_decayed, key_to_chunk_end, intra_chunk, chunk_decay))))
+    out = rearrange(out, "n b h c e -> b (n c) h e")[:, :num_tokens]
+    return out, state
+
+
+def recurrent_gated_delta_step(
+    state: jax.Array, query: jax.Array, key: jax.Array, value: jax.Array, decay: jax.Array, beta: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token of the rule for all value heads (key heads already repeated).
+
+    state: float32 [batch, value_heads, key_dim, value_dim]; query, key: [batch, value_heads, key_dim];
+    value: [batch, value_heads, value_dim]; decay, beta: [batch, value_heads]
+    returns (new state, output [batch, value_heads, value_dim])
+    """
+    state = state * jnp.exp(decay)[..., None, None]
+    remembered = jnp.einsum("bhkv,bhk->bhv", state, key, precision=_EXACT)
+    delta = (value - remembered) * beta[..., None]
+    state = state + jnp.einsum("bhk,bhv->bhkv", key, delta, precision=_EXACT)
+    return state, jnp.einsum("bhkv,bhk->bhv", state, query, precision=_EXACT)
+
+
+def recurrent_gated_delta_rule(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token form; same arguments and results as :func:`chunked_gated_delta_rule`."""
+    num_value_heads = value.shape[2]
+    state = _zero_state(key, value) if initial_state is None else initial_state.astype(jnp.float32)
+    query, key = (_repeat_key_heads(x, num_value_heads).astype(jnp.float32) for x in (query, key))
+    token_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+    step = lambda state, token: recurrent_gated_delta_step(state, *token)
+    state, out = jax.lax.scan(step, state, tuple(map(token_major, (query, key, value, decay, beta))))
+    return jnp.moveaxis(out, 0, 1), state

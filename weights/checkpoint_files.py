@@ -1,0 +1,132 @@
+"""The safetensors files of a checkpoint directory: discovery, header validation, slice reads.
+
+Only headers are read up front (names, shapes, dtypes); tensor data is read later, one
+tensor or one slice at a time, through `safe_open(...).get_slice`, so a checkpoint is never
+held whole in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from contextlib import ExitStack
+
+import numpy as np
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the tensor and/or the file."""
+
+
+# safetensors dtype names -> numpy dtypes (bfloat16 comes from ml_dtypes, which JAX ships).
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+
+    @property
+    def num_bytes(self) -> int:
+        itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}.get(self.dtype, 1)
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+
+class CheckpointFiles:
+    """Open handles on every safetensors file of a checkpoint, and the index of its tensors."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.fspath(directory)
+        self.files, weight_map = _discover_files(self.directory)
+        self._stack = ExitStack()
+        self._handles = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            for file in self.files:
+                self._open(file)
+            for name, file in (weight_map or {}).items():
+                if self.tensors.get(name) is None or self.tensors[name].file != file:
+                    raise CheckpointError(
+                        f"model.safetensors.index.json places tensor {name} in {file}, but {file} does not hold it")
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, file: str) -> None:
+        path = os.path.join(self.directory, file)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is listed in the index but does not exist")
+        try:
+            handle = self._stack.enter_context(safe_open(path, framework="numpy"))
+            names = list(handle.keys())
+            infos = []
+            for name in names:
+                tensor_slice = handle.get_slice(name)
+                infos.append(TensorInfo(name, file, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()))
+        except CheckpointError:
+            raise
+        except Exception as error:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or corrupt (cannot read its safetensors header): {error}"
+            ) from error
+        _check_data_size(path, infos)
+        self._handles[file] = handle
+        for info in infos:
+            if info.name in self.tensors:
+                raise CheckpointError(
+                    f"tensor {info.name} appears in both {self.tensors[info.name].file} and {file}")
+            self.tensors[info.name] = info
+
+    def read(self, name: str, index=()) -> np.ndarray:
+        """Read tensor `name` (or `tensor[index]`, reading only that slice) as a numpy array."""
+        info = self.tensors[name]
+        try:
+            tensor_slice = self._handles[info.file].get_slice(name)
+            return tensor_slice[index] if index != () else tensor_slice[:]
+        except Exception as error:
+            raise CheckpointError(f"cannot read tensor {name} from {info.file}: {error}") from error
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "CheckpointFiles":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _discover_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of `directory`, and the index's tensor -> file map if it has one."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as handle:
+                weight_map = json.load(handle)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index: {error}") from error
+        return sorted(set(weight_map.values())), weight_map
+    if os.path.isfile(os.path.join(directory, "model.safetensors")):
+        return ["model.safetensors"], None
+    raise CheckpointError(
+        f"no model.safetensors or model.safetensors.index.json in {directory!r}")
+
+
+def _check_data_size(path: str, infos: list[TensorInfo]) -> None:
+    """A file shorter than its header says is truncated; safetensors may only notice on read."""
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+    data_bytes = os.path.getsize(path) - 8 - header_size
+    needed = sum(info.num_bytes for info in infos)
+    if data_bytes < needed:
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated: its header describes {needed} bytes of tensor data "
+            f"but only {data_bytes} are present")
