@@ -1,0 +1,68 @@
+"""Session fixtures: tiny random checkpoints written by transformers' `save_pretrained`.
+
+Every parameter (norm weights, A_log, dt_bias included) is redrawn at a scale that keeps the
+activations O(1), so parity tests compare numbers that matter rather than near-zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tests.checkpoints import (  # noqa: E402
+    QWEN36_LIKE, TIED_ONE_TO_ONE, rewrite_fused_multimodal, write_hf_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def qwen36_checkpoint(tmp_path_factory) -> str:
+    """Qwen3.6 ratios scaled down: 2 groups of (3 GDN + 1 attention), value heads = 2 x key heads."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen36_like"), QWEN36_LIKE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tied_checkpoint(tmp_path_factory) -> str:
+    """A second shape: 1 GDN : 1 attention, tied embeddings, one K/V head, rotary 0.5."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tied"), TIED_ONE_TO_ONE, seed=1)
+
+
+@pytest.fixture(scope="session")
+def fused_checkpoint(qwen36_checkpoint, tmp_path_factory) -> str:
+    """The qwen36_like weights as a sharded multimodal checkpoint with fused experts."""
+    return rewrite_fused_multimodal(qwen36_checkpoint, str(tmp_path_factory.mktemp("fused")))
+
+
+@pytest.fixture(scope="session")
+def hf_model(qwen36_checkpoint):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    return Qwen3_5MoeForCausalLM.from_pretrained(qwen36_checkpoint).eval()
+
+
+@pytest.fixture(scope="session")
+def clover_model(qwen36_checkpoint):
+    from clover_jax import CloverModel
+
+    return CloverModel.from_pretrained(qwen36_checkpoint, progress=False)
+
+
+@pytest.fixture
+def checkpoint_copy(qwen36_checkpoint, tmp_path):
+    """A writable copy of the qwen36_like checkpoint, for tests that damage it."""
+    target = tmp_path / "copy"
+    shutil.copytree(qwen36_checkpoint, target)
+    return str(target)
+
+
+def read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as handle:
+        return json.load(handle)
+
+
+def token_ids(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype(np.int32)
