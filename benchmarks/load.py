@@ -6,8 +6,11 @@ What it does, in one run:
    `"model_type": "qwen3_5_moe_text"` and one `model.safetensors`) of about `--gigabytes` GB.
    The config keeps Qwen3.6's layout (3 linear-attention + 1 full-attention layers repeating,
    routed experts stored one tensor per expert, a shared expert, an untied head); its depth is
-   chosen so the file has the requested size. Tensor names and shapes come from
-   `weights.name_table.expected_placements`, so the file is exactly what the loader expects.
+   chosen so the file comes closest to the requested size, in steps of one 4-layer group
+   (about 0.25 GB; the smallest checkpoint is one group, about 0.38 GB). Tensor names and shapes
+   come from `weights.name_table.expected_placements`, so the file is exactly what the loader
+   expects (optional tensors that take defaults when absent are left out, as in a real
+   Qwen3.5/3.6 checkpoint).
 2. Reads the file once to warm the page cache (dropping the cache needs root), so that both
    measurements below read from memory, not from disk: the JSON says `"page_cache": "warm"`.
 3. Alternates, `--repetitions` times (default 3):
@@ -82,12 +85,15 @@ def config_dict(num_groups: int) -> dict:
 
 
 def checkpoint_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the loader expects for this config.json dict, with its checkpoint shape."""
+    """Every tensor name the loader requires for this config.json dict, with its checkpoint shape."""
     from clover_jax.config import CloverConfig
     from weights.name_table import expected_placements
 
     placements = expected_placements(CloverConfig.from_dict(raw_config))
-    return {name: tuple(placement.shape) for name, placement in placements.items()}
+    # Optional tensors (Clover block-mode ones, which take defaults when absent) are not in a
+    # Qwen3.5/3.6 checkpoint, so they are not written.
+    return {name: tuple(placement.shape) for name, placement in placements.items()
+            if getattr(placement, "default", None) is None}
 
 
 def bf16_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
@@ -128,7 +134,17 @@ def write_checkpoint(directory: str, raw_config: dict, seed: int = 0) -> tuple[s
     count = len(tensors)
     del tensors
     gc.collect()
+    flush_to_disk(path)
     return path, count
+
+
+def flush_to_disk(path: str) -> None:
+    """fsync, so that writeback of the new file does not run during the measurements."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- measurements
@@ -233,6 +249,7 @@ def summarise(raw_config: dict, checkpoint_bytes: int, num_tensors: int, raw: li
     peak_over_checkpoint = peak_median / checkpoint_bytes
     return {
         "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_gigabytes": round(checkpoint_bytes / GB, 3),
         "num_tensors": num_tensors,
         "dtype": "bfloat16",
         "config": {"hidden_size": raw_config["hidden_size"], "layers": raw_config["num_hidden_layers"],

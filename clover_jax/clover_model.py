@@ -1,27 +1,47 @@
-"""`CloverModel`: the user-facing handle on a loaded checkpoint (spec §6)."""
+"""`CloverModel`: the user-facing handle on a loaded checkpoint (spec §6).
+
+The methods validate their inputs on the host, then call one pure jitted function,
+`run_pass(module, params, input_ids, state, ...)`, whose compiled form depends only on the
+shapes (batch, tokens, state capacity) and the static pass layout — never on the prefix
+length or the token values, so denoising steps never recompile.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.config import CloverConfig
-from clover_jax.model import CloverTransformer, Params
+from clover_jax.model import CloverTransformer, Params, PassOutput
+from clover_jax.state import ModelState, empty_state
 
 logger = logging.getLogger(__name__)
 
 
-class CloverModel:
-    """A Clover / Qwen3.5-MoE text model: config, parameters and jitted entry points.
+class BlockLogits(NamedTuple):
+    """logits: float32 [batch, block, vocab]; distinct_experts: int32 [num_layers, batch]."""
 
-    Parameters are an explicit pytree (`model.params`); the methods are thin validated wrappers
-    around pure jitted functions of `(params, inputs)`.
+    logits: jax.Array
+    distinct_experts: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("module", "num_causal", "logits_from", "coreset"))
+def run_pass(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
+             num_causal: int, logits_from: int, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
+    """The one compiled entry point: `CloverTransformer.__call__` on explicit parameters."""
+    return module.apply({"params": params}, input_ids, state, num_causal, logits_from, coreset, coreset_top_p)
+
+
+class CloverModel:
+    """A Clover / Qwen3.5-MoE text model: config, parameters and validated entry points.
+
+    Parameters are an explicit pytree (`model.params`); state is an explicit `ModelState`.
     """
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any):
@@ -37,6 +57,7 @@ class CloverModel:
         dtype: Any = None,
         mesh: jax.sharding.Mesh | None = None,
         name_map: dict[str, str] | None = None,
+        strict: bool = False,
         progress: bool = True,
     ) -> "CloverModel":
         """Load a Hugging Face layout checkpoint directory.
@@ -44,6 +65,8 @@ class CloverModel:
         dtype: parameter and activation dtype; None keeps the checkpoint's (e.g. bfloat16).
         mesh: place every parameter replicated on this mesh (None: the default device).
         name_map: checkpoint tensor name -> expected name, for checkpoints whose names differ.
+        strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
+            the spec §2 defaults for them.
         """
         from weights.loader import load_params  # weights depends on clover_jax, not the reverse
 
@@ -53,16 +76,102 @@ class CloverModel:
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             sharding_for = lambda path, shape: replicated
         params, report = load_params(path, config, dtype=dtype, name_map=name_map,
-                                     sharding_for=sharding_for, progress=progress)
+                                     sharding_for=sharding_for, progress=progress, strict=strict)
         return cls(config, params, report.dtype)
 
+    # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
         """Causal logits (spec §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
-        input_ids = self._check_token_ids(input_ids, "input_ids")
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-        return _causal_logits(self.module, self.params, jnp.asarray(input_ids), positions)
+        ids = self.check_token_ids(input_ids, "input_ids")
+        state = self.init_state(ids.shape[0], ids.shape[1])
+        return self._run(ids, state, num_causal=ids.shape[1], logits_from=0).logits
 
-    def _check_token_ids(self, ids, name: str) -> np.ndarray:
+    def init_state(self, batch: int, capacity: int, start=None) -> ModelState:
+        """An empty prefix state holding up to `capacity` rows; `start` (int [batch]) marks left padding."""
+        if batch < 1 or capacity < 1:
+            raise ValueError(f"batch and capacity must be >= 1, got {batch} and {capacity}")
+        if capacity > self.config.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        return empty_state(self.config, batch, capacity, self.dtype, start)
+
+    def extend(self, state: ModelState, token_ids, logits: str = "last") -> tuple[jax.Array | None, ModelState]:
+        """Append tokens causally: the prompt prefill and the commit of a decided block.
+
+        token_ids: int [batch, tokens]; logits: "all", "last" or "none" (a long prefill needs none).
+        returns (float32 logits [batch, tokens or 1, vocab] or None, the extended state)
+        """
+        ids = self.check_token_ids(token_ids, "token_ids", state)
+        self._check_room(state, ids.shape[1])
+        num_tokens = ids.shape[1]
+        logits_from = {"all": 0, "last": num_tokens - 1, "none": num_tokens}[logits]
+        out = self._run(ids, state, num_causal=num_tokens, logits_from=logits_from)
+        return (None if logits == "none" else out.logits), out.state
+
+    # ------------------------------------------------------------------ block mode
+    def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,
+                coreset_top_p: float | None = None) -> BlockLogits:
+        """Denoising forward of a block after the prefix in `state` (spec §3, §5); the state is unchanged.
+
+        block_ids: int [batch, block], may hold `mask_token_id`. coreset / coreset_top_p override
+        the config's `moe_block_coreset_enabled` / `moe_block_coreset_top_p` for this call.
+        """
+        ids = self.check_token_ids(block_ids, "block_ids", state)
+        self._check_room(state, ids.shape[1])
+        out = self._run(ids, state, num_causal=0, logits_from=0, **self._coreset(coreset, coreset_top_p))
+        return BlockLogits(out.logits, out.distinct_experts)
+
+    def commit_and_denoise(self, state: ModelState, commit_ids, block_ids, coreset: bool | None = None,
+                           coreset_top_p: float | None = None) -> tuple[BlockLogits, ModelState]:
+        """Commit a decided block and run the next block's first denoising step in one forward.
+
+        Equal to `extend(state, commit_ids)` followed by `denoise(new_state, block_ids)`.
+        """
+        commit = self.check_token_ids(commit_ids, "commit_ids", state)
+        block = self.check_token_ids(block_ids, "block_ids", state)
+        self._check_room(state, commit.shape[1] + block.shape[1])
+        ids = np.concatenate([commit, block], axis=1)
+        out = self._run(ids, state, num_causal=commit.shape[1], logits_from=commit.shape[1],
+                        **self._coreset(coreset, coreset_top_p))
+        return BlockLogits(out.logits, out.distinct_experts), out.state
+
+    def denoise_logits(self, prefix_ids, block_ids, coreset: bool | None = None,
+                       coreset_top_p: float | None = None) -> jax.Array:
+        """Logits of a block after a causal prefix (spec §6): [b, P], [b, B] -> float32 [b, B, V].
+
+        The prefix may be empty (P = 0).
+        """
+        block = self.check_token_ids(block_ids, "block_ids")
+        prefix = np.asarray(prefix_ids)
+        if prefix.ndim != 2 or prefix.shape[0] != block.shape[0]:
+            raise ValueError(f"prefix_ids must be [batch, prefix] with the batch of block_ids "
+                             f"({block.shape[0]}), got shape {prefix.shape}")
+        state = self.init_state(block.shape[0], prefix.shape[1] + block.shape[1])
+        if prefix.shape[1]:
+            _, state = self.extend(state, prefix, logits="none")
+        return self.denoise(state, block, coreset, coreset_top_p).logits
+
+    # ------------------------------------------------------------------ helpers
+    def _run(self, ids: np.ndarray, state: ModelState, num_causal: int, logits_from: int,
+             coreset: bool = False, coreset_top_p: float = 1.0) -> PassOutput:
+        return run_pass(self.module, self.params, jnp.asarray(ids), state, num_causal, logits_from, coreset,
+                        jnp.float32(coreset_top_p))
+
+    def _coreset(self, enabled: bool | None, top_p: float | None) -> dict:
+        enabled = self.config.moe_block_coreset_enabled if enabled is None else bool(enabled)
+        top_p = self.config.moe_block_coreset_top_p if top_p is None else float(top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"coreset_top_p must be in (0, 1], got {top_p}")
+        return {"coreset": enabled, "coreset_top_p": top_p}
+
+    def _check_room(self, state: ModelState, num_tokens: int) -> None:
+        filled = int(state.length)
+        if filled + num_tokens > state.capacity:
+            raise ValueError(f"the state holds {filled} of {state.capacity} rows; {num_tokens} more do not fit "
+                             "(make the state with a larger capacity)")
+
+    def check_token_ids(self, ids, name: str, state: ModelState | None = None) -> np.ndarray:
+        """Host-side validation of int [batch, tokens] token ids; returns them as int32."""
         array = np.asarray(ids)
         if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
             raise ValueError(f"{name} must be a non-empty int array [batch, tokens], got shape {array.shape}")
@@ -75,10 +184,6 @@ class CloverModel:
         if array.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"{name} has {array.shape[1]} tokens, more than max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
+        if state is not None and array.shape[0] != state.batch:
+            raise ValueError(f"{name} has batch {array.shape[0]} but the state was made for batch {state.batch}")
         return array.astype(np.int32)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _causal_logits(module: CloverTransformer, params: Params, input_ids: jax.Array, positions: jax.Array):
-    logits, _ = module.apply({"params": params}, input_ids, positions)
-    return logits

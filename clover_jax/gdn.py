@@ -1,17 +1,26 @@
-"""Gated DeltaNet token mixer (transformers' `Qwen3_5MoeGatedDeltaNet`), causal mode.
+"""Gated DeltaNet token mixer (transformers' `Qwen3_5MoeGatedDeltaNet`) with Clover's block mode.
+
+Causal rows (prefill, commits, autoregressive steps), spec §1:
 
     in_proj_qkv -> causal depthwise conv (kernel K, no bias) -> SiLU -> q | k | v
     beta = sigmoid(in_proj_b x);  g = -exp(A_log) * softplus(in_proj_a x + dt_bias)
     q, k L2-normalised, q scaled by key_dim ** -0.5; gated delta rule (float32 state)
     gated RMSNorm with z = in_proj_z x, then out_proj
 
-The layer carries a state across calls — the last K−1 pre-convolution rows and the recurrent
-state — so a prefill, a commit and a single decoding step are the same code.
+Block rows (the denoising forward), spec §3, read the state without changing it:
+
+    silu(causal conv over [conv state; block] + right-context conv over the following rows)
+    memory readout m_i = Sᵀ (q̂_i / sqrt(dk));  block logits l_ij = exp(block_logit_scale) q̂_i · k̂_j
+    memory logit μ = memory_logit_bias + block_size_calibration · ln(B)
+    o_i = (e^μ m_i + Σ_j e^{l_ij} v_j) / (e^μ + Σ_j e^{l_ij})
+
+A pass holds `num_causal` causal rows and then an optional block that reads the state left by
+those rows, so a commit and the next block's first denoising step are one call.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,21 +30,7 @@ from flax import linen as nn
 from clover_jax.config import CloverConfig
 from clover_jax.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from clover_jax.layers import GatedRMSNorm, Linear, l2_normalize
-
-
-class GDNState(NamedTuple):
-    """conv: [batch, K-1, conv_dim] (model dtype); recurrent: float32 [batch, value_heads, key_dim, value_dim]."""
-
-    conv: jax.Array
-    recurrent: jax.Array
-
-
-def empty_gdn_state(config: CloverConfig, batch: int, dtype) -> GDNState:
-    return GDNState(
-        conv=jnp.zeros((batch, config.linear_conv_kernel_dim - 1, config.conv_dim), dtype),
-        recurrent=jnp.zeros((batch, config.linear_num_value_heads, config.linear_key_head_dim,
-                             config.linear_value_head_dim), jnp.float32),
-    )
+from clover_jax.state import GDNState, Rows
 
 
 def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -50,46 +45,101 @@ def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
     return sum(window[:, j:j + num_tokens] * weight[:, j] for j in range(kernel))
 
 
+def right_context_conv(rows: jax.Array, weight: jax.Array) -> jax.Array:
+    """r_i = Σ_{t<K} weight[:, t] · rows[i + 1 + t], rows past the block being zero.
+
+    rows: [batch, block, channels]; weight: [channels, K] -> [batch, block, channels]
+    """
+    kernel = weight.shape[-1]
+    padded = jnp.pad(rows, [(0, 0), (0, kernel), (0, 0)])
+    block = rows.shape[1]
+    return sum(padded[:, 1 + t:1 + t + block] * weight[:, t] for t in range(kernel))
+
+
+def block_mode_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, state: jax.Array,
+    block_logit_scale: jax.Array, memory_logit_bias: jax.Array, block_size_calibration: jax.Array,
+) -> jax.Array:
+    """Softmax over the block plus one memory slot read from the prefix state, all float32.
+
+    query, key: L2-normalised, unscaled, [batch, block, value_heads, key_dim]
+    value: [batch, block, value_heads, value_dim]; state: [batch, value_heads, key_dim, value_dim]
+    the three Clover parameters: [value_heads]
+    returns [batch, block, value_heads, value_dim]
+    """
+    block = query.shape[1]
+    key_dim = query.shape[-1]
+    memory = jnp.einsum("bihk,bhkv->bihv", query / math.sqrt(key_dim), state, precision=jax.lax.Precision.HIGHEST)
+    block_logits = jnp.exp(block_logit_scale)[:, None, None] * jnp.einsum(
+        "bihk,bjhk->bhij", query, key, precision=jax.lax.Precision.HIGHEST)         # [b, h, i, j]
+    memory_logit = memory_logit_bias + block_size_calibration * math.log(block)   # [h]
+    memory_logit = jnp.broadcast_to(memory_logit[None, :, None, None], block_logits.shape[:3] + (1,))
+    logits = jnp.concatenate([memory_logit, block_logits], axis=-1)               # [b, h, i, 1 + j]
+    weights = jax.nn.softmax(logits, axis=-1)
+    return (jnp.einsum("bhi,bihv->bihv", weights[..., 0], memory)
+            + jnp.einsum("bhij,bjhv->bihv", weights[..., 1:], value, precision=jax.lax.Precision.HIGHEST))
+
+
 class GatedDeltaNet(nn.Module):
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: GDNState | None = None) -> tuple[jax.Array, GDNState]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], state after these tokens)."""
+    def __call__(self, x: jax.Array, state: GDNState, rows: Rows) -> tuple[jax.Array, GDNState]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], state after the causal rows)."""
         config = self.config
-        batch = x.shape[0]
-        if state is None:
-            state = empty_gdn_state(config, batch, self.dtype)
-
+        heads = config.linear_num_value_heads
         mixed = Linear(config.conv_dim, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
         gate = Linear(config.linear_value_dim, self.dtype, name="in_proj_z")(x)  # [b, t, value_dim]
-        beta_logit = Linear(config.linear_num_value_heads, self.dtype, name="in_proj_b")(x)
-        decay_logit = Linear(config.linear_num_value_heads, self.dtype, name="in_proj_a")(x)
-        conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1),
-                                 (config.conv_dim, config.linear_conv_kernel_dim), self.dtype)
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (config.linear_num_value_heads,), self.dtype)
-        a_log = self.param("A_log", nn.initializers.zeros, (config.linear_num_value_heads,), self.dtype)
+        beta_logit = Linear(heads, self.dtype, name="in_proj_b")(x)
+        decay_logit = Linear(heads, self.dtype, name="in_proj_a")(x)
+        kernel = config.linear_conv_kernel_dim
+        conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1), (config.conv_dim, kernel), self.dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (heads,), self.dtype)
+        a_log = self.param("A_log", nn.initializers.zeros, (heads,), self.dtype)
+        # Clover block-mode parameters, initialised to the spec §2 defaults.
+        right_weight = self.param("conv1d_right_weight", nn.initializers.zeros, (config.conv_dim, kernel), self.dtype)
+        block_logit_scale = self.param("block_logit_scale", nn.initializers.constant(
+            math.log(math.sqrt(config.linear_key_head_dim))), (heads,), self.dtype)
+        memory_logit_bias = self.param("memory_logit_bias", nn.initializers.zeros, (heads,), self.dtype)
+        block_size_calibration = self.param("block_size_calibration", nn.initializers.zeros, (heads,), self.dtype)
 
-        window = jnp.concatenate([state.conv.astype(self.dtype), mixed], axis=1)
-        new_conv_state = window[:, window.shape[1] - (config.linear_conv_kernel_dim - 1):]
-        activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight))
+        # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
+        mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
+        causal, cores = self.num_causal, []
 
-        query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
-        query = rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim)
-        key = rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim)
-        value = rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
-        query = l2_normalize(query.astype(jnp.float32)) * config.linear_key_head_dim ** -0.5
-        key = l2_normalize(key.astype(jnp.float32))
+        def split_qkv(activated):
+            query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+            query = l2_normalize(rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            key = l2_normalize(rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            return query, key, rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
 
-        beta = jax.nn.sigmoid(beta_logit)
-        decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
-            decay_logit.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        if causal:
+            window = jnp.concatenate([state.conv.astype(self.dtype), mixed[:, :causal]], axis=1)
+            query, key, value = split_qkv(jax.nn.silu(causal_depthwise_conv(window, conv_weight)))
+            beta = jax.nn.sigmoid(beta_logit[:, :causal])
+            decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+                decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
+            rule = recurrent_gated_delta_rule if causal == 1 else chunked_gated_delta_rule
+            core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
+                                   state.recurrent)
+            state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
+            cores.append(core)
 
-        rule = recurrent_gated_delta_rule if x.shape[1] == 1 else chunked_gated_delta_rule
-        core, recurrent = rule(query, key, value, decay, beta, state.recurrent)
+        if x.shape[1] > causal:
+            block = mixed[:, causal:]
+            window = jnp.concatenate([state.conv.astype(self.dtype), block], axis=1)
+            activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
+            query, key, value = split_qkv(activated)
+            repeat = lambda y: jnp.repeat(y, heads // config.linear_num_key_heads, axis=2)
+            cores.append(block_mode_attention(
+                repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent,
+                block_logit_scale.astype(jnp.float32), memory_logit_bias.astype(jnp.float32),
+                block_size_calibration.astype(jnp.float32)))
 
+        core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
         normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
         out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
-        return out, GDNState(conv=new_conv_state, recurrent=recurrent)
+        return out, state

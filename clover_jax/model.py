@@ -4,11 +4,16 @@ Layers come in groups that repeat the config's layer pattern — for Qwen3.6 (3 
 attention) × 10 — and the groups are scanned, so compile time does not grow with depth.
 Every parameter under `groups` therefore has a leading `[num_groups]` axis, and layer `i` of
 the checkpoint is slot `i % len(pattern)` of group `i // len(pattern)`.
+
+One pass runs `num_causal` causal rows, which append to the state (prefill, commit, an
+autoregressive step), followed by block rows that are denoised against the state the causal
+rows leave (spec §3). `num_causal = tokens` is a causal pass, `num_causal = 0` a denoising
+forward, anything between a fused commit + denoise.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,32 +24,40 @@ from clover_jax.config import CloverConfig
 from clover_jax.gdn import GatedDeltaNet
 from clover_jax.layers import RMSNorm, default_init
 from clover_jax.moe import SparseMoE
+from clover_jax.state import ModelState, Rows, empty_state, rows_for, slot_name
 
 Params = dict[str, Any]
 
 
-def slot_name(slot: int) -> str:
-    """Name of the `slot`-th layer inside a scanned group."""
-    return f"layer_{slot}"
+class PassOutput(NamedTuple):
+    """logits: float32 [batch, tokens - logits_from, vocab]; state: after the causal rows;
+    distinct_experts: int32 [num_layers, batch], experts used by the block rows of each layer."""
+
+    logits: jax.Array
+    state: ModelState
+    distinct_experts: jax.Array
 
 
 class DecoderLayer(nn.Module):
     config: CloverConfig
     layer_type: str
     dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0
+    coreset: bool = False
 
     @nn.compact
-    def __call__(self, hidden: jax.Array, positions: jax.Array, state: Any) -> tuple[jax.Array, Any]:
-        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's state after these tokens)."""
+    def __call__(self, hidden: jax.Array, state: Any, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
+        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state, distinct experts [batch])."""
         config = self.config
+        mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
+        name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        if self.layer_type == "linear_attention":
-            mixed, state = GatedDeltaNet(config, self.dtype, name="linear_attn")(mixed, state)
-        else:
-            mixed = GatedAttention(config, self.dtype, name="self_attn")(mixed, positions)
+        mixed, state = mixer(config, self.dtype, self.num_causal, name=name)(mixed, state, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        return hidden + SparseMoE(config, self.dtype, name="mlp")(feed_forward), state
+        feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, name="mlp")(
+            feed_forward, coreset_top_p)
+        return hidden + feed_forward, state, distinct
 
 
 class LayerGroup(nn.Module):
@@ -52,16 +65,18 @@ class LayerGroup(nn.Module):
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0
+    coreset: bool = False
 
     @nn.compact
-    def __call__(self, hidden: jax.Array, group_state: Any, positions: jax.Array) -> tuple[jax.Array, Any]:
-        new_state = {}
+    def __call__(self, hidden: jax.Array, group_state: dict, rows: Rows, coreset_top_p):
+        new_state, distinct = {}, []
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
-            layer_state = None if group_state is None else group_state[name]
-            hidden, new_state[name] = DecoderLayer(self.config, layer_type, self.dtype, name=name)(
-                hidden, positions, layer_state)
-        return hidden, new_state
+            layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, name=name)
+            hidden, new_state[name], layer_distinct = layer(hidden, group_state[name], rows, coreset_top_p)
+            distinct.append(layer_distinct)
+        return hidden, (new_state, jnp.stack(distinct))
 
 
 class CloverTransformer(nn.Module):
@@ -69,38 +84,44 @@ class CloverTransformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, state: Any = None) -> tuple[jax.Array, Any]:
-        """Causal pass.
+    def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
+                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+        """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
 
-        input_ids, positions: int [batch, tokens]; state: per-group layer states stacked on a
-        leading [num_groups] axis, or None for an empty prefix.
-        returns (float32 logits [batch, tokens, vocab], the state after these tokens)
+        num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
+        are computed (a long prefill needs none: pass `tokens`); coreset: route block rows
+        within their coreset with `coreset_top_p`.
         """
         config = self.config
+        num_tokens = input_ids.shape[1]
+        num_causal = num_tokens if num_causal is None else num_causal
+        rows = rows_for(state, num_tokens)
         embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=default_init, name="embed_tokens")
         hidden = embed(input_ids)
         groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast), length=config.num_groups)
-        hidden, state = groups(config, self.dtype, name="groups")(hidden, state, positions)
-        hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden)
+                         in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
+        hidden, (layers, distinct) = groups(config, self.dtype, num_causal, coreset, name="groups")(
+            hidden, state.layers, rows, coreset_top_p)
+        hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden[:, logits_from:])
         if config.tie_word_embeddings:
             head = embed.embedding
         else:
             head = self.param("lm_head", default_init, (config.vocab_size, config.hidden_size), self.dtype)
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
-        return logits, state
+        new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
+        return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
 
 
 def param_shapes(config: CloverConfig, dtype) -> Params:
     """The parameter pytree as `jax.ShapeDtypeStruct`s, without allocating anything."""
     module = CloverTransformer(config, dtype)
     ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(module.init, jax.random.key(0), ids, ids)["params"]
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), ids, empty_state(config, 1, 1, dtype)))["params"]
 
 
 def init_params(config: CloverConfig, dtype, seed: int = 0) -> Params:
     """Random parameters (for tests and benchmarks on random weights)."""
     module = CloverTransformer(config, dtype)
     ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.jit(module.init)(jax.random.key(seed), ids, ids)["params"]
+    return jax.jit(lambda: module.init(jax.random.key(seed), ids, empty_state(config, 1, 1, dtype)))()["params"]

@@ -48,16 +48,23 @@ def load_params(
     name_map: dict[str, str] | None = None,
     sharding_for: ShardingFor | None = None,
     progress: bool = True,
+    strict: bool = False,
 ) -> tuple[dict, LoadReport]:
     """Read `directory`'s safetensors into parameters of dtype `dtype` (None: the checkpoint's).
 
     `name_map` renames checkpoint tensors (checkpoint name -> canonical name, see `name_table`).
     `sharding_for(path, shape)` gives each parameter's sharding; default: the default device.
+    Clover block-mode tensors that are absent take the spec §2 defaults (logged), unless `strict`.
     """
     started = time.perf_counter()
     placements = expected_placements(config)
     with CheckpointFiles(directory) as files:
-        sources, skipped = _match_tensors(files, config, placements, dict(name_map or {}))
+        sources, skipped = _match_tensors(files, config, placements, dict(name_map or {}), strict)
+        defaulted = [name for name in placements if name not in sources]
+        if defaulted:
+            logger.info("%d Clover block-mode tensors are absent from %s; using the spec §2 defaults "
+                        "(conv1d_right 0, block_logit_scale ln(sqrt(key_head_dim)), memory_logit_bias 0, "
+                        "block_size_calibration 0)", len(defaulted), os.fspath(directory))
         _check_shapes_and_dtypes(files, placements, sources)
         target_dtype = np.dtype(dtype if dtype is not None else _checkpoint_dtype(files))
 
@@ -66,7 +73,7 @@ def load_params(
             by_leaf[placement.path].append(canonical)
         leaf_shapes = _leaf_shapes(config)
         total_bytes = sum(files.tensors[sources[c].tensor].num_bytes * _fraction(sources[c], files)
-                          for c in placements)
+                          for c in sources)
 
         params: dict = {}
         bytes_read = 0
@@ -77,6 +84,9 @@ def load_params(
                 _check_leaf_covered(path, shape, [placements[n] for n in names])
                 buffer = np.empty(shape, target_dtype)
                 for canonical in names:
+                    if canonical not in sources:
+                        buffer[placements[canonical].index] = placements[canonical].default
+                        continue
                     data = files.read(sources[canonical].tensor, sources[canonical].index)
                     buffer[placements[canonical].index] = _transform(data, placements[canonical].transform)
                     bytes_read += data.nbytes
@@ -84,14 +94,14 @@ def load_params(
                 sharding = sharding_for(path, shape) if sharding_for is not None else None
                 _set_path(params, path, jax.device_put(buffer, sharding))
                 del buffer
-    report = LoadReport(str(target_dtype), len(placements), skipped, bytes_read, time.perf_counter() - started)
+    report = LoadReport(str(target_dtype), len(sources), skipped, bytes_read, time.perf_counter() - started)
     logger.info("loaded %d tensors (%.2f GB, %s) from %s in %.1fs; skipped %d model.visual.*/mtp.* tensors",
                 report.tensors_read, bytes_read / 1e9, report.dtype, os.fspath(directory), report.seconds, skipped)
     return params, report
 
 
 def _match_tensors(files: CheckpointFiles, config: CloverConfig, placements: dict[str, Placement],
-                   name_map: dict[str, str]) -> tuple[dict[str, Source], int]:
+                   name_map: dict[str, str], strict: bool) -> tuple[dict[str, Source], int]:
     """Canonical name -> where its data is; raises on unknown, missing or duplicated tensors."""
     absent = sorted(set(name_map) - set(files.tensors))
     if absent:
@@ -116,14 +126,16 @@ def _match_tensors(files: CheckpointFiles, config: CloverConfig, placements: dic
                 raise CheckpointError(
                     f"tensor {canonical} is given twice: by {sources[canonical].tensor} and by {name}")
             sources[canonical] = source
-    missing = [name for name in placements if name not in sources]
+    missing = [name for name, placement in placements.items()
+               if name not in sources and (strict or placement.default is None)]
     problems = []
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s) that match no parameter of this "
                         f"{config.model_type} config: {unexpected}. If they are this model's tensors under "
                         "other names, pass name_map={checkpoint name: expected name}.")
     if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {missing}")
+        problems.append(f"{len(missing)} missing tensor(s): {missing}" + (
+            " (strict=True: Clover block-mode tensors are required)" if strict else ""))
     if problems:
         raise CheckpointError(f"checkpoint {files.directory} does not fit the config: " + " ".join(problems))
     return sources, skipped
@@ -132,8 +144,8 @@ def _match_tensors(files: CheckpointFiles, config: CloverConfig, placements: dic
 def _check_shapes_and_dtypes(files: CheckpointFiles, placements: dict[str, Placement],
                              sources: dict[str, Source]) -> None:
     problems = []
-    for canonical, placement in placements.items():
-        source = sources[canonical]
+    for canonical, source in sources.items():
+        placement = placements[canonical]
         info = files.tensors[source.tensor]
         if tuple(source.shape) != tuple(placement.shape):
             problems.append(f"tensor {source.tensor} in {info.file} has shape {tuple(source.shape)}, "

@@ -19,12 +19,14 @@ layer parameter has a leading `[num_groups]` axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax.numpy as jnp
 
 from clover_jax.config import CloverConfig
-from clover_jax.model import param_shapes, slot_name
+from clover_jax.model import param_shapes
+from clover_jax.state import slot_name
 from weights.checkpoint_files import CheckpointError
 
 COPY, TRANSPOSE, SQUEEZE_CHANNEL = "copy", "transpose", "squeeze_channel"
@@ -56,6 +58,14 @@ LINEAR_ATTENTION_LAYER = {
     "linear_attn.norm.weight": (("linear_attn", "norm", "weight"), COPY),
     "linear_attn.out_proj.weight": (("linear_attn", "out_proj", "weight"), COPY),
 }
+# Clover block-mode tensors of GDN layers (spec §2): optional, with the defaults `default(config)`.
+CLOVER_GDN_LAYER = {
+    "linear_attn.conv1d_right.weight": (("linear_attn", "conv1d_right_weight"), SQUEEZE_CHANNEL, lambda c: 0.0),
+    "linear_attn.block_logit_scale": (("linear_attn", "block_logit_scale"), COPY,
+                                      lambda c: math.log(math.sqrt(c.linear_key_head_dim))),
+    "linear_attn.memory_logit_bias": (("linear_attn", "memory_logit_bias"), COPY, lambda c: 0.0),
+    "linear_attn.block_size_calibration": (("linear_attn", "block_size_calibration"), COPY, lambda c: 0.0),
+}
 FULL_ATTENTION_LAYER = {
     f"self_attn.{name}.weight": (("self_attn", name, "weight"), COPY)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -79,6 +89,7 @@ class Placement:
     index: tuple  # leading integer indices, then possibly a slice of the last axis
     transform: str
     shape: tuple[int, ...]  # the canonical tensor's shape in the checkpoint
+    default: float | None = None  # the value used when an optional tensor is absent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +122,17 @@ def expected_placements(config: CloverConfig) -> dict[str, Placement]:
     for layer, layer_type in enumerate(config.layer_types):
         group, slot = divmod(layer, len(pattern))
         prefix = ("groups", slot_name(slot))
-        table = dict(EVERY_LAYER)
-        table.update(LINEAR_ATTENTION_LAYER if layer_type == "linear_attention" else FULL_ATTENTION_LAYER)
-        for suffix, (path, transform) in table.items():
+        table = {suffix: (path, transform, None) for suffix, (path, transform) in EVERY_LAYER.items()}
+        if layer_type == "linear_attention":
+            table.update({suffix: (path, transform, None) for suffix, (path, transform) in LINEAR_ATTENTION_LAYER.items()})
+            table.update({suffix: (path, transform, default(config))
+                          for suffix, (path, transform, default) in CLOVER_GDN_LAYER.items()})
+        else:
+            table.update({suffix: (path, transform, None) for suffix, (path, transform) in FULL_ATTENTION_LAYER.items()})
+        for suffix, (path, transform, default) in table.items():
             slot_shape = leaf_shape(prefix + path)[1:]
             shape = slot_shape[:1] + (1,) + slot_shape[1:] if transform == SQUEEZE_CHANNEL else slot_shape
-            placements[f"model.layers.{layer}.{suffix}"] = Placement(prefix + path, (group,), transform, shape)
+            placements[f"model.layers.{layer}.{suffix}"] = Placement(prefix + path, (group,), transform, shape, default)
         for expert in range(config.num_experts):
             for suffix, (path, transform, half) in EVERY_EXPERT.items():
                 if half is None:

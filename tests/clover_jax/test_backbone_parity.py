@@ -11,8 +11,9 @@ import torch
 from clover_jax import CloverModel
 from clover_jax.attention import GatedAttention
 from clover_jax.gdn import GatedDeltaNet
-from clover_jax.model import DecoderLayer, slot_name
+from clover_jax.model import DecoderLayer
 from clover_jax.moe import SparseMoE
+from clover_jax.state import empty_state, rows_for, slot_name
 from tests.conftest import token_ids
 
 TOLERANCE = 1e-4
@@ -36,8 +37,11 @@ def hf_rope_and_mask(hf_model, length: int, batch: int = 2):
     return cos_sin, causal[None, None].expand(batch, 1, -1, -1)
 
 
-def positions_for(batch: int, length: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(length), (batch, length))
+def fresh_layer_state(model: CloverModel, layer: int):
+    """An empty state of `layer` for batch 2 with room for LENGTH rows, and the rows of a full pass."""
+    state = empty_state(model.config, 2, LENGTH, jnp.float32)
+    slot = layer % len(model.config.group_pattern)
+    return jax.tree.map(lambda x: x[0], state.layers[slot_name(slot)]), rows_for(state, LENGTH)
 
 
 def max_difference(ours, reference: torch.Tensor) -> float:
@@ -47,7 +51,8 @@ def max_difference(ours, reference: torch.Tensor) -> float:
 def test_gdn_layer_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model)
     params = layer_params(clover_model, 1)["linear_attn"]
-    ours, _ = GatedDeltaNet(clover_model.config).apply({"params": params}, jnp.asarray(x))
+    ours, _ = GatedDeltaNet(clover_model.config, num_causal=LENGTH).apply(
+        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 1))
     with torch.no_grad():
         reference = hf_model.model.layers[1].linear_attn(torch.from_numpy(x))
     assert max_difference(ours, reference) <= TOLERANCE
@@ -56,7 +61,8 @@ def test_gdn_layer_matches_transformers(clover_model, hf_model):
 def test_attention_layer_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model, seed=1)
     params = layer_params(clover_model, 3)["self_attn"]
-    ours = GatedAttention(clover_model.config).apply({"params": params}, jnp.asarray(x), positions_for(2, LENGTH))
+    ours, _ = GatedAttention(clover_model.config, num_causal=LENGTH).apply(
+        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 3))
     cos_sin, mask = hf_rope_and_mask(hf_model, LENGTH)
     with torch.no_grad():
         reference, _ = hf_model.model.layers[3].self_attn(torch.from_numpy(x), cos_sin, mask)
@@ -66,7 +72,7 @@ def test_attention_layer_matches_transformers(clover_model, hf_model):
 def test_moe_block_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model, seed=2)
     params = layer_params(clover_model, 2)["mlp"]
-    ours = SparseMoE(clover_model.config).apply({"params": params}, jnp.asarray(x))
+    ours, _ = SparseMoE(clover_model.config, num_causal=LENGTH).apply({"params": params}, jnp.asarray(x))
     with torch.no_grad():
         reference = hf_model.model.layers[2].mlp(torch.from_numpy(x))
     assert max_difference(ours, reference) <= TOLERANCE
@@ -76,8 +82,8 @@ def test_moe_block_matches_transformers(clover_model, hf_model):
 def test_decoder_layer_matches_transformers(clover_model, hf_model, layer):
     config = clover_model.config
     x = hidden_states(clover_model, seed=3)
-    ours, _ = DecoderLayer(config, config.layer_types[layer]).apply(
-        {"params": layer_params(clover_model, layer)}, jnp.asarray(x), positions_for(2, LENGTH), None)
+    ours, _, _ = DecoderLayer(config, config.layer_types[layer], num_causal=LENGTH).apply(
+        {"params": layer_params(clover_model, layer)}, jnp.asarray(x), *fresh_layer_state(clover_model, layer), 1.0)
     cos_sin, mask = hf_rope_and_mask(hf_model, LENGTH)
     hf_layer = hf_model.model.layers[layer]
     with torch.no_grad():

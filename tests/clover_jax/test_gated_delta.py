@@ -38,7 +38,7 @@ def test_chunked_rule_equals_recurrent_step(length, with_state):
     np.testing.assert_allclose(chunked_out, recurrent_out, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(chunked_state, recurrent_state, atol=1e-5, rtol=1e-5)
 
-    as_torch = lambda x: torch.from_numpy(np.asarray(x))
+    as_torch = lambda x: torch.from_numpy(np.array(x))
     reference_out, reference_state = torch_recurrent_gated_delta_rule(
         as_torch(query), as_torch(key), as_torch(value), as_torch(decay), as_torch(beta),
         initial_state=as_torch(initial) if with_state else None, output_final_state=True)
