@@ -33,7 +33,8 @@ def routed_expert_mlp(
     """Σ_choices weight · down(silu(gate(x)) * up(x)) of each token's chosen experts.
 
     tokens: [tokens, hidden]; expert_ids: int [tokens, top_k]; expert_weights: [tokens, top_k]
-    gate_up_proj: [experts, hidden, 2 * intermediate] (gate columns first); down_proj: [experts, intermediate, hidden]
+    gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
+    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy)
     returns [tokens, hidden] in the dtype of `tokens`
     """
     num_tokens, top_k = expert_ids.shape
@@ -62,8 +63,8 @@ def routed_expert_mlp(
     packed = packed.reshape(max_tiles, tile_rows, hidden)
 
     def expert_mlp(rows, expert):
-        gate, up = jnp.split(rows @ gate_up_proj[expert], 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ down_proj[expert]
+        gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up_proj[expert]), 2, axis=-1)
+        return jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, down_proj[expert])
 
     def run_tile(_, tile):
         index, rows, expert = tile

@@ -114,7 +114,8 @@ class CloverTransformer(nn.Module):
 
 
 def param_shapes(config: CloverConfig, dtype) -> Params:
-    """The parameter pytree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+    """The parameter pytree as `jax.ShapeDtypeStruct`s, traced from the modules without allocating
+    (`clover_jax.param_layout` gives the same shapes without tracing)."""
     module = CloverTransformer(config, dtype)
     ids = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: module.init(jax.random.key(0), ids, empty_state(config, 1, 1, dtype)))["params"]

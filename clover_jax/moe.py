@@ -67,9 +67,9 @@ class SparseMoE(nn.Module):
             distinct = distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts)
 
         gate_up_proj = self.param("experts_gate_up_proj", default_init,
-                                  (config.num_experts, hidden, 2 * config.moe_intermediate_size), self.dtype)
+                                  (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
         down_proj = self.param("experts_down_proj", default_init,
-                               (config.num_experts, config.moe_intermediate_size, hidden), self.dtype)
+                               (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
         tokens = x.reshape(batch * num_tokens, hidden)
         routed = routed_expert_mlp(tokens, expert_ids.reshape(batch * num_tokens, top_k),
                                    expert_weights.reshape(batch * num_tokens, top_k), gate_up_proj, down_proj)

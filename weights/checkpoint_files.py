@@ -1,17 +1,21 @@
 """The safetensors files of a checkpoint directory: discovery, header validation, slice reads.
 
-Only headers are read up front (names, shapes, dtypes); tensor data is read later, one
-tensor or one slice at a time, through `safe_open(...).get_slice`, so a checkpoint is never
-held whole in host memory.
+Only headers are read up front (names, shapes, dtypes, byte offsets), validated by
+`safetensors.safe_open`; tensor data is read later, one tensor or one expert slice at a time.
+When the destination has the tensor's dtype, the bytes are read with `os.preadv` straight into
+the destination buffer (one copy, no memory map whose pages would stay resident); otherwise
+`safe_open(...).get_slice` reads the slice and numpy converts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from contextlib import ExitStack
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -21,7 +25,8 @@ class CheckpointError(ValueError):
 
 
 # safetensors dtype names -> numpy dtypes (bfloat16 comes from ml_dtypes, which JAX ships).
-FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FLOAT_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+                "BF16": np.dtype(ml_dtypes.bfloat16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +35,7 @@ class TensorInfo:
     file: str
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype name, e.g. "BF16"
+    offset: int = 0  # absolute byte offset of the tensor's data in its file
 
     @property
     def num_bytes(self) -> int:
@@ -46,6 +52,7 @@ class CheckpointFiles:
         self.files, weight_map = _discover_files(self.directory)
         self._stack = ExitStack()
         self._handles = {}
+        self._descriptors: dict[str, int] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
             for file in self.files:
@@ -64,11 +71,12 @@ class CheckpointFiles:
             raise CheckpointError(f"checkpoint file {path} is listed in the index but does not exist")
         try:
             handle = self._stack.enter_context(safe_open(path, framework="numpy"))
-            names = list(handle.keys())
+            offsets = _data_offsets(path)
             infos = []
-            for name in names:
+            for name in handle.keys():
                 tensor_slice = handle.get_slice(name)
-                infos.append(TensorInfo(name, file, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()))
+                infos.append(TensorInfo(name, file, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype(),
+                                        offsets[name]))
         except CheckpointError:
             raise
         except Exception as error:  # safetensors raises its own error types for bad headers
@@ -77,6 +85,9 @@ class CheckpointFiles:
             ) from error
         _check_data_size(path, infos)
         self._handles[file] = handle
+        descriptor = os.open(path, os.O_RDONLY)
+        self._stack.callback(os.close, descriptor)
+        self._descriptors[file] = descriptor
         for info in infos:
             if info.name in self.tensors:
                 raise CheckpointError(
@@ -91,6 +102,26 @@ class CheckpointFiles:
             return tensor_slice[index] if index != () else tensor_slice[:]
         except Exception as error:
             raise CheckpointError(f"cannot read tensor {name} from {info.file}: {error}") from error
+
+    def read_into(self, name: str, index: tuple, out: np.ndarray) -> None:
+        """Fill `out` with `tensor[index]` (same number of elements; `index` is leading integers,
+        then at most one slice), reading the bytes straight into `out` when the dtypes agree."""
+        info = self.tensors[name]
+        source_dtype = FLOAT_DTYPES.get(info.dtype)
+        byte_range = None if source_dtype is None else _contiguous_range(info.shape, index, source_dtype.itemsize)
+        if byte_range is None or out.dtype != source_dtype or not out.flags.c_contiguous:
+            out[...] = self.read(name, index).reshape(out.shape).astype(out.dtype)
+            return
+        start, length = byte_range
+        target = memoryview(out.reshape(-1).view(np.uint8))
+        if target.nbytes != length:
+            raise CheckpointError(f"tensor {name}{list(index)} holds {length} bytes, its destination {target.nbytes}")
+        done = 0
+        while done < length:  # preadv may return short counts (e.g. above 2 GiB per call)
+            count = os.preadv(self._descriptors[info.file], [target[done:]], info.offset + start + done)
+            if count <= 0:
+                raise CheckpointError(f"checkpoint file {info.file} ended while reading tensor {name}")
+            done += count
 
     def close(self) -> None:
         self._stack.close()
@@ -118,6 +149,30 @@ def _discover_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
         return ["model.safetensors"], None
     raise CheckpointError(
         f"no model.safetensors or model.safetensors.index.json in {directory!r}")
+
+
+def _data_offsets(path: str) -> dict[str, int]:
+    """Absolute file offset of each tensor's data, from the safetensors header."""
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+    return {name: 8 + header_size + entry["data_offsets"][0]
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _contiguous_range(shape: tuple[int, ...], index: tuple, itemsize: int) -> tuple[int, int] | None:
+    """(start, length) in bytes of `tensor[index]` in a C-ordered tensor, or None if not contiguous."""
+    strides = [math.prod(shape[axis + 1:]) for axis in range(len(shape))]
+    start, axis = 0, 0
+    for axis, item in enumerate(index):
+        if isinstance(item, slice):
+            low, high, step = item.indices(shape[axis])
+            if step != 1 or axis != len(index) - 1:
+                return None
+            return (start + low * strides[axis]) * itemsize, (high - low) * strides[axis] * itemsize
+        start += item * strides[axis]
+    count = strides[len(index) - 1] if index else math.prod(shape)
+    return start * itemsize, count * itemsize
 
 
 def _check_data_size(path: str, infos: list[TensorInfo]) -> None:

@@ -17,14 +17,13 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.config import CloverConfig
-from clover_jax.model import param_shapes
+from clover_jax.param_layout import flat_layout
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles
-from weights.name_table import (COPY, SQUEEZE_CHANNEL, TRANSPOSE, Placement, Source, canonical_sources,
+from weights.name_table import (Placement, Source, canonical_sources,
                                 expected_placements, normalise_prefix)
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def load_params(
         by_leaf: dict[tuple[str, ...], list[str]] = defaultdict(list)
         for canonical, placement in placements.items():
             by_leaf[placement.path].append(canonical)
-        leaf_shapes = _leaf_shapes(config)
+        leaf_shapes = flat_layout(config)
         total_bytes = sum(files.tensors[sources[c].tensor].num_bytes * _fraction(sources[c], files)
                           for c in sources)
 
@@ -82,15 +81,15 @@ def load_params(
             for path, names in by_leaf.items():
                 shape = leaf_shapes[path]
                 _check_leaf_covered(path, shape, [placements[n] for n in names])
-                buffer = np.empty(shape, target_dtype)
+                buffer = _aligned_empty(shape, target_dtype)
                 for canonical in names:
+                    region = buffer[placements[canonical].index]
                     if canonical not in sources:
-                        buffer[placements[canonical].index] = placements[canonical].default
+                        region[...] = placements[canonical].default
                         continue
-                    data = files.read(sources[canonical].tensor, sources[canonical].index)
-                    buffer[placements[canonical].index] = _transform(data, placements[canonical].transform)
-                    bytes_read += data.nbytes
-                    bar.update(data.nbytes)
+                    files.read_into(sources[canonical].tensor, sources[canonical].index, region)
+                    bytes_read += region.nbytes
+                    bar.update(region.nbytes)
                 sharding = sharding_for(path, shape) if sharding_for is not None else None
                 _set_path(params, path, jax.device_put(buffer, sharding))
                 del buffer
@@ -172,19 +171,15 @@ def _fraction(source: Source, files: CheckpointFiles) -> float:
     return int(np.prod(source.shape)) / full if full else 0.0
 
 
-def _transform(data: np.ndarray, transform: str) -> np.ndarray:
-    if transform == COPY:
-        return data
-    if transform == TRANSPOSE:
-        return data.T
-    if transform == SQUEEZE_CHANNEL:
-        return data[:, 0, :]
-    raise AssertionError(f"unknown transform {transform}")
-
-
-def _leaf_shapes(config: CloverConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    flat = jax.tree_util.tree_flatten_with_path(param_shapes(config, jnp.float32))[0]
-    return {tuple(key.key for key in path): tuple(leaf.shape) for path, leaf in flat}
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data is 64-byte aligned — on the CPU backend `jax.device_put`
+    then adopts the buffer instead of copying it — and 2 MiB aligned when large, so the kernel
+    can back it with transparent huge pages (first-touch page faults dominate loading on VMs)."""
+    num_bytes = int(np.prod(shape)) * dtype.itemsize
+    alignment = 2 << 20 if num_bytes >= 2 << 20 else 64
+    raw = np.empty(num_bytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + num_bytes].view(dtype).reshape(shape)
 
 
 def _check_leaf_covered(path, shape, placements: list[Placement]) -> None:

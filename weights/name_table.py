@@ -11,9 +11,10 @@ tables below. Other layouts become canonical names on the way in:
 * `model.visual.*` and `mtp.*` are skipped and counted;
 * a user `name_map` (checkpoint name -> canonical name) renames anything else.
 
-Parameter layout (see `clover_jax.model`): dense weights keep the checkpoint's `[out, in]`,
-routed experts are stacked `[experts, in, out]` with gate and up fused along `out`, and every
-layer parameter has a leading `[num_groups]` axis.
+Parameter layout (see `clover_jax.model`): weights keep the checkpoint's `[out, in]`, routed
+experts are stacked `[experts, out, in]` with gate and up fused along `out` (gate rows first,
+as in the fused checkpoint layout), and every layer parameter has a leading `[num_groups]`
+axis. Every placement is therefore a plain copy into a contiguous region.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ import dataclasses
 import math
 import re
 
-import jax.numpy as jnp
-
 from clover_jax.config import CloverConfig
-from clover_jax.model import param_shapes
+from clover_jax.param_layout import flat_layout
 from clover_jax.state import slot_name
 from weights.checkpoint_files import CheckpointError
 
-COPY, TRANSPOSE, SQUEEZE_CHANNEL = "copy", "transpose", "squeeze_channel"
+COPY, SQUEEZE_CHANNEL = "copy", "squeeze_channel"
 
 TOP_LEVEL = {
     "model.embed_tokens.weight": ("embed_tokens", "embedding"),
@@ -70,11 +69,11 @@ FULL_ATTENTION_LAYER = {
     f"self_attn.{name}.weight": (("self_attn", name, "weight"), COPY)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 }
-# Per routed expert, after `model.layers.{i}.mlp.experts.{e}.`: (path, transform, half of the fused out axis).
+# Per routed expert, after `model.layers.{i}.mlp.experts.{e}.`: (path, half of the fused out axis).
 EVERY_EXPERT = {
-    "gate_proj.weight": (("mlp", "experts_gate_up_proj"), TRANSPOSE, 0),
-    "up_proj.weight": (("mlp", "experts_gate_up_proj"), TRANSPOSE, 1),
-    "down_proj.weight": (("mlp", "experts_down_proj"), TRANSPOSE, None),
+    "gate_proj.weight": (("mlp", "experts_gate_up_proj"), 0),
+    "up_proj.weight": (("mlp", "experts_gate_up_proj"), 1),
+    "down_proj.weight": (("mlp", "experts_down_proj"), None),
 }
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
@@ -86,7 +85,7 @@ class Placement:
     """Where one canonical tensor goes: `params[path][index] = transform(tensor)`."""
 
     path: tuple[str, ...]
-    index: tuple  # leading integer indices, then possibly a slice of the last axis
+    index: tuple  # leading integer indices, then possibly a slice of the next axis
     transform: str
     shape: tuple[int, ...]  # the canonical tensor's shape in the checkpoint
     default: float | None = None  # the value used when an optional tensor is absent
@@ -105,13 +104,7 @@ def expected_placements(config: CloverConfig) -> dict[str, Placement]:
     """Every canonical tensor this config needs, in a stable order."""
     hidden, intermediate = config.hidden_size, config.moe_intermediate_size
     placements: dict[str, Placement] = {}
-    shapes = param_shapes(config, jnp.float32)  # shapes only; nothing is allocated
-
-    def leaf_shape(path):
-        node = shapes
-        for key in path:
-            node = node[key]
-        return tuple(node.shape)
+    leaf_shape = flat_layout(config).__getitem__
 
     for name, path in TOP_LEVEL.items():
         if path == ("lm_head",) and config.tie_word_embeddings:
@@ -134,14 +127,14 @@ def expected_placements(config: CloverConfig) -> dict[str, Placement]:
             shape = slot_shape[:1] + (1,) + slot_shape[1:] if transform == SQUEEZE_CHANNEL else slot_shape
             placements[f"model.layers.{layer}.{suffix}"] = Placement(prefix + path, (group,), transform, shape, default)
         for expert in range(config.num_experts):
-            for suffix, (path, transform, half) in EVERY_EXPERT.items():
+            for suffix, (path, half) in EVERY_EXPERT.items():
                 if half is None:
                     index, shape = (group, expert), (hidden, intermediate)
                 else:
-                    columns = slice(half * intermediate, (half + 1) * intermediate)
-                    index, shape = (group, expert, slice(None), columns), (intermediate, hidden)
+                    index, shape = (group, expert, slice(half * intermediate, (half + 1) * intermediate)), \
+                        (intermediate, hidden)
                 placements[f"model.layers.{layer}.mlp.experts.{expert}.{suffix}"] = Placement(
-                    prefix + path, index, transform, shape)
+                    prefix + path, index, COPY, shape)
     return placements
 
 

@@ -13,8 +13,8 @@ HIDDEN, INTERMEDIATE = 16, 8
 
 
 def dense_oracle(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
-    gate, up = jnp.split(jnp.einsum("th,ehi->tei", tokens, gate_up_proj), 2, axis=-1)
-    every_expert = jnp.einsum("tei,eih->teh", jax.nn.silu(gate) * up, down_proj)  # [tokens, experts, hidden]
+    gate, up = jnp.split(jnp.einsum("th,eih->tei", tokens, gate_up_proj), 2, axis=-1)
+    every_expert = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, down_proj)  # [tokens, experts, hidden]
     chosen = jnp.take_along_axis(every_expert, expert_ids[..., None], axis=1)
     return jnp.sum(chosen * expert_weights[..., None], axis=1)
 
@@ -25,8 +25,8 @@ def case(num_tokens, num_experts, top_k, seed, only_experts=None):
     pool = np.arange(num_experts) if only_experts is None else np.asarray(only_experts)
     expert_ids = np.stack([rng.choice(pool, top_k, replace=False) for _ in range(num_tokens)])
     weights = rng.dirichlet(np.ones(top_k), num_tokens).astype(np.float32)
-    gate_up = jnp.asarray(rng.randn(num_experts, HIDDEN, 2 * INTERMEDIATE) / 4, jnp.float32)
-    down = jnp.asarray(rng.randn(num_experts, INTERMEDIATE, HIDDEN) / 3, jnp.float32)
+    gate_up = jnp.asarray(rng.randn(num_experts, 2 * INTERMEDIATE, HIDDEN) / 4, jnp.float32)
+    down = jnp.asarray(rng.randn(num_experts, HIDDEN, INTERMEDIATE) / 3, jnp.float32)
     return tokens, jnp.asarray(expert_ids, jnp.int32), jnp.asarray(weights), gate_up, down
 
 
