@@ -114,3 +114,33 @@ def rewrite_fused_multimodal(source: str, target: str) -> str:
     with open(os.path.join(target, "config.json"), "w") as handle:
         json.dump(wrapper, handle)
     return target
+
+
+def add_clover_tensors(source: str, target: str, mask_token_id: int, seed: int = 0) -> str:
+    """Copy a backbone checkpoint and give every GDN layer random Clover block-mode tensors
+    (spec §2 names), with a `clover_moe` config."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as handle:
+        config = json.load(handle)
+    rng = np.random.RandomState(seed)
+    heads = config["linear_num_value_heads"]
+    conv_dim = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + \
+        heads * config["linear_value_head_dim"]
+    for layer, layer_type in enumerate(config["layer_types"]):
+        if layer_type != "linear_attention":
+            continue
+        prefix = f"model.layers.{layer}.linear_attn"
+        tensors[f"{prefix}.conv1d_right.weight"] = (0.3 * rng.randn(conv_dim, 1, config["linear_conv_kernel_dim"])).astype(np.float32)
+        tensors[f"{prefix}.block_logit_scale"] = (math.log(math.sqrt(config["linear_key_head_dim"]))
+                                                  + 0.3 * rng.randn(heads)).astype(np.float32)
+        tensors[f"{prefix}.memory_logit_bias"] = rng.randn(heads).astype(np.float32)
+        tensors[f"{prefix}.block_size_calibration"] = (0.5 * rng.randn(heads)).astype(np.float32)
+    os.makedirs(target, exist_ok=True)
+    save_file(tensors, os.path.join(target, "model.safetensors"))
+    config.update(model_type="clover_moe", mask_token_id=mask_token_id, moe_block_coreset_enabled=True,
+                  moe_block_coreset_top_p=0.9)
+    with open(os.path.join(target, "config.json"), "w") as handle:
+        json.dump(config, handle)
+    return target

@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# torch's OpenMP workers spin-wait after each op and starve XLA's threads on a 2-core machine
+# (the suite slowed down many times over, with half the CPU in the kernel); one torch thread suffices
+# for the tiny reference models.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.checkpoints import (  # noqa: E402
-    QWEN36_LIKE, TIED_ONE_TO_ONE, rewrite_fused_multimodal, write_hf_checkpoint)
+    QWEN36_LIKE, TIED_ONE_TO_ONE, add_clover_tensors, rewrite_fused_multimodal, write_hf_checkpoint)
+
+MASK_ID = QWEN36_LIKE["vocab_size"] - 1
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +44,24 @@ def fused_checkpoint(qwen36_checkpoint, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def clover_checkpoint(qwen36_checkpoint, tmp_path_factory) -> str:
+    """The qwen36_like backbone with random Clover block-mode tensors and a clover_moe config."""
+    return add_clover_tensors(qwen36_checkpoint, str(tmp_path_factory.mktemp("clover")), mask_token_id=MASK_ID)
+
+
+@pytest.fixture(scope="session")
+def clover(clover_checkpoint):
+    from clover_jax import CloverModel
+
+    return CloverModel.from_pretrained(clover_checkpoint, progress=False)
+
+
+@pytest.fixture(scope="session")
 def hf_model(qwen36_checkpoint):
+    import torch
     from transformers import Qwen3_5MoeForCausalLM
 
+    torch.set_num_threads(1)
     return Qwen3_5MoeForCausalLM.from_pretrained(qwen36_checkpoint).eval()
 
 
