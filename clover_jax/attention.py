@@ -39,9 +39,12 @@ def attention_over_segments(query: jax.Array, segments: list[tuple[jax.Array, ja
         score = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
         scores.append(jnp.where(allowed[:, None, None], score, -jnp.inf))
     peak = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # rows with nothing allowed give zeros, not NaN
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = [jnp.exp(s - peak) for s in scores]
     total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    # A padding row may see no key at all: it gets zeros, not NaN, because NaN values would
+    # poison later rows through 0 * NaN even where the padding is masked out.
+    total = jnp.where(total > 0, total, 1.0)
     out = sum(jnp.einsum("bkgts,bskd->btkgd", (w / total).astype(value.dtype), value)
               for w, (_, value, _) in zip(weights, segments))
     return rearrange(out, "b t k g d -> b t (k g) d")

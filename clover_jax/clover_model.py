@@ -44,8 +44,9 @@ class CloverModel:
     Parameters are an explicit pytree (`model.params`); state is an explicit `ModelState`.
     """
 
-    def __init__(self, config: CloverConfig, params: Params, dtype: Any):
+    def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None):
         self.config = config
+        self.path = path  # the checkpoint directory, where generate() finds generation_config.json
         self.params = params
         self.dtype = jnp.dtype(dtype)
         self.module = CloverTransformer(config, self.dtype)
@@ -77,7 +78,7 @@ class CloverModel:
             sharding_for = lambda path, shape: replicated
         params, report = load_params(path, config, dtype=dtype, name_map=name_map,
                                      sharding_for=sharding_for, progress=progress, strict=strict)
-        return cls(config, params, report.dtype)
+        return cls(config, params, report.dtype, os.fspath(path))
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:

@@ -1,0 +1,76 @@
+"""Autoregressive decoding through the causal backbone (spec §4, `mode="autoregressive"`).
+
+Token by token with the K/V and GDN state, greedy or sampled, with the same `process`
+controls as the block decoder (neutral for base Qwen checkpoints). One jitted while_loop; the
+forward after a sequence's last token is skipped, so NFE = prefill + one call per further token.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.model import CloverTransformer
+from clover_jax.state import empty_state
+from decoding.controls import Controls, TokenIds, choose, process
+
+
+class AutoregressiveSpec(NamedTuple):
+    prompt_length: int   # left-padded prompt length
+    max_new_tokens: int  # buffer length (bucketed)
+    do_sample: bool
+
+
+class AutoregressiveState(NamedTuple):
+    model: Any
+    logits: jax.Array     # float32 [b, vocab], for the next token
+    tokens: jax.Array     # int32 [b, max_new_tokens]
+    counts: jax.Array     # int32 [b, vocab]
+    finished: jax.Array   # bool [b]
+    lengths: jax.Array    # int32 [b], tokens generated
+    nfe: jax.Array        # int32 [b]
+    index: jax.Array      # int32 []
+
+
+@functools.partial(jax.jit, static_argnames=("module", "spec"))
+def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
+                       start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, keys: jax.Array,
+                       controls: Controls, ids: TokenIds) -> AutoregressiveState:
+    batch = prompt_ids.shape[0]
+    vocab = module.config.vocab_size
+    call = functools.partial(module.apply, {"params": params})
+    model_state = empty_state(module.config, batch, spec.prompt_length + spec.max_new_tokens, module.dtype, start)
+    out = call(prompt_ids, model_state, spec.prompt_length, spec.prompt_length - 1)
+    initial = AutoregressiveState(out.state, out.logits[:, 0], jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
+                                  jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),
+                                  jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32), jnp.int32(0))
+
+    def body(state: AutoregressiveState) -> AutoregressiveState:
+        index = state.index
+        think_start = jnp.where(ids.think_start >= 0, state.counts[:, jnp.maximum(ids.think_start, 0)], 0)
+        think_end = jnp.where(ids.think_end >= 0, state.counts[:, jnp.maximum(ids.think_end, 0)], 0)
+        thinking = (prompt_thinking | (think_start > 0)) & (think_end == 0)
+        processed = jax.vmap(process, in_axes=(0, 0, None, 0, None, None))(
+            state.logits[:, None], state.counts, index[None], thinking, controls, ids)
+        keys_now = jax.vmap(lambda key: jax.random.fold_in(key, index))(keys)
+        choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys_now)
+        token = choice.token[:, 0]
+        live = ~state.finished
+        tokens = state.tokens.at[:, index].set(jnp.where(live, token, 0))
+        counts = state.counts.at[jnp.arange(batch), token].add(live.astype(jnp.int32))
+        lengths = state.lengths + live
+        finished = state.finished | (live & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)
+                                             | (lengths >= max_new_tokens)))
+
+        def step(model):
+            out = call(token[:, None], model, 1, 0)
+            return out.state, out.logits[:, 0]
+
+        model, logits = jax.lax.cond(jnp.all(finished), lambda m: (m, state.logits), step, state.model)
+        nfe = state.nfe + (~finished).astype(jnp.int32)
+        return AutoregressiveState(model, logits, tokens, counts, finished, lengths, nfe, index + 1)
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens), body, initial)

@@ -1,0 +1,158 @@
+"""The LowConfidence block-diffusion decoder of spec §4 as one jitted `jax.lax.while_loop`.
+
+The batch moves in lockstep over blocks aligned across sequences (left padding chosen by
+`decoding.layout`). Each iteration is one model call: a denoising step of the current block,
+or — once every unfinished sequence has decided its block — the commit of that block fused
+with the first denoising step of the next. A sequence whose block is decided waits for the
+others without counting a forward pass, so its tokens, steps and NFE equal a lone run.
+The last block of a sequence is never committed: nothing would read it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.model import CloverTransformer
+from clover_jax.state import ModelState, empty_state
+from decoding.controls import Controls, TokenIds, choose, process
+from decoding.schedules import ScheduleKnobs, StepView
+
+
+class LoopSpec(NamedTuple):
+    """Static layout of one compiled decoder (changing any field recompiles)."""
+
+    block_size: int
+    prefix_blocks: int    # causal prefix length in blocks, after left padding
+    max_blocks: int       # decoded blocks the buffers hold
+    steps_cap: int        # denoising steps after which a block is force-filled
+    do_sample: bool
+    schedule: Callable
+    knobs: ScheduleKnobs
+    coreset: bool
+
+
+class Request(NamedTuple):
+    """Per-sequence inputs (traced). b = batch, B = block size."""
+
+    prefix_ids: jax.Array        # int32 [b, prefix_blocks * B], left padded
+    first_block: jax.Array       # int32 [b, B]: the prompt tail, then masks
+    fixed: jax.Array             # bool [b, B]: prompt-tail positions of the first block
+    start: jax.Array             # int32 [b]: left padding (first real cache row)
+    response_base: jax.Array     # int32 [b]: response index t of row 0 of the first decoded block
+    max_new_tokens: jax.Array    # int32 [b]
+    prompt_thinking: jax.Array   # bool [b]: the prompt ends inside an unclosed <think>
+    has_prefix: jax.Array        # bool [b]: the sequence alone would have run a prefill
+    keys: jax.Array              # PRNG keys [b]
+    coreset_top_p: jax.Array     # float32 []
+
+
+class LoopState(NamedTuple):
+    model: ModelState
+    block: jax.Array             # int32 [b, B]
+    decided: jax.Array           # bool [b, B]
+    fixed: jax.Array             # bool [b, B]
+    block_iter: jax.Array        # int32 []: index of the current decoded block
+    step: jax.Array              # int32 [b]: denoising steps taken in the current block
+    commit_pending: jax.Array    # bool []
+    counts: jax.Array            # int32 [b, vocab]: response tokens so far (committed + filled)
+    finished: jax.Array          # bool [b]
+    tokens: jax.Array            # int32 [b, max_blocks, B]: each decoded block as decided
+    steps_per_block: jax.Array   # int32 [b, max_blocks]
+    fill_step: jax.Array         # int32 [b, max_blocks, B]: step (1-based) that filled each position
+    fill_confidence: jax.Array   # float32 [b, max_blocks, B]
+    distinct_experts: jax.Array  # float32 [b, max_blocks]: summed over steps, mean over layers
+    nfe: jax.Array               # int32 [b]
+    iterations: jax.Array        # int32 []
+
+
+@functools.partial(jax.jit, static_argnames=("module", "spec"))
+def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
+                      controls: Controls, ids: TokenIds) -> LoopState:
+    """Prefill, then denoise and commit blocks until every sequence is finished."""
+    batch, size = request.first_block.shape
+    vocab = module.config.vocab_size
+    capacity = (spec.prefix_blocks + spec.max_blocks) * size
+    model_state = empty_state(module.config, batch, capacity, module.dtype, request.start)
+    call = functools.partial(module.apply, {"params": params})
+    if spec.prefix_blocks:
+        model_state = call(request.prefix_ids, model_state, spec.prefix_blocks * size,
+                           spec.prefix_blocks * size).state
+
+    rows = jnp.arange(size)
+    initial = LoopState(
+        model=model_state, block=request.first_block, decided=request.fixed, fixed=request.fixed,
+        block_iter=jnp.int32(0), step=jnp.zeros(batch, jnp.int32), commit_pending=jnp.bool_(False),
+        counts=jnp.zeros((batch, vocab), jnp.int32), finished=jnp.zeros(batch, bool),
+        tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
+        steps_per_block=jnp.zeros((batch, spec.max_blocks), jnp.int32),
+        fill_step=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
+        fill_confidence=jnp.zeros((batch, spec.max_blocks, size), jnp.float32),
+        distinct_experts=jnp.zeros((batch, spec.max_blocks), jnp.float32),
+        nfe=request.has_prefix.astype(jnp.int32), iterations=jnp.int32(0))
+
+    def denoise(state: LoopState):
+        out = call(state.block, state.model, 0, 0, spec.coreset, request.coreset_top_p)
+        return out.logits, out.distinct_experts, state.model, state.block, state.decided, state.fixed, \
+            state.block_iter, state.step
+
+    def commit_and_denoise(state: LoopState):
+        masks = jnp.full_like(state.block, ids.mask)
+        out = call(jnp.concatenate([state.block, masks], axis=1), state.model, size, size, spec.coreset,
+                   request.coreset_top_p)
+        none = jnp.zeros_like(state.decided)
+        return out.logits, out.distinct_experts, out.state, masks, none, none, state.block_iter + 1, \
+            jnp.zeros_like(state.step)
+
+    def body(state: LoopState) -> LoopState:
+        logits, distinct, model, current, decided, fixed, block_iter, step = jax.lax.cond(
+            state.commit_pending, commit_and_denoise, denoise, state)
+        active = ~state.finished & ~jnp.all(decided, axis=-1)
+        response_index = request.response_base[:, None] + block_iter * size + rows[None, :]
+        is_response = response_index >= 0
+
+        thinking = (request.prompt_thinking | (_count(state.counts, ids.think_start) > 0)) & \
+            (_count(state.counts, ids.think_end) == 0)
+        processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
+            logits, state.counts, response_index, thinking, controls, ids)
+        keys = jax.vmap(lambda key, s: jax.random.fold_in(jax.random.fold_in(key, block_iter), s))(
+            request.keys, step)
+        choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
+        view = StepView(choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
+                        step, controls.threshold)
+        after = jax.vmap(spec.schedule, in_axes=(StepView(0, 0, 0, 0, 0, 0, 0, None), None))(view, spec.knobs)
+        after = (after | fixed | (step[:, None] + 1 >= spec.steps_cap)) & active[:, None] | decided & ~active[:, None]
+        filled, remasked = after & ~decided, decided & ~after
+        block = jnp.where(filled, choice.token, jnp.where(remasked, ids.mask, current))
+        delta = (filled & is_response).astype(jnp.int32) - (remasked & is_response).astype(jnp.int32)
+        counts = state.counts.at[jnp.arange(batch)[:, None], jnp.where(remasked, current, choice.token)].add(delta)
+        step = step + active
+        slot = (jnp.arange(batch), block_iter)
+        fill_step = state.fill_step.at[slot].set(jnp.where(filled, step[:, None], state.fill_step[slot]))
+        fill_confidence = state.fill_confidence.at[slot].set(
+            jnp.where(filled, choice.confidence, state.fill_confidence[slot]))
+        distinct_experts = state.distinct_experts.at[slot].add(
+            jnp.where(active, jnp.mean(distinct.astype(jnp.float32), axis=0), 0.0))
+
+        closing = active & jnp.all(after, axis=-1)
+        tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], block, state.tokens[slot]))
+        steps_per_block = state.steps_per_block.at[slot].set(jnp.where(closing, step, state.steps_per_block[slot]))
+        inside = is_response & (response_index < request.max_new_tokens[:, None])
+        has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
+        reached = request.response_base + (block_iter + 1) * size >= request.max_new_tokens
+        finished = state.finished | (closing & (has_eos | reached))
+        waiting = finished | jnp.all(after, axis=-1)
+        return LoopState(model, block, after, fixed, block_iter, step, jnp.all(waiting) & ~jnp.all(finished),
+                         counts, finished, tokens, steps_per_block, fill_step, fill_confidence, distinct_experts,
+                         state.nfe + active, state.iterations + 1)
+
+    limit = spec.max_blocks * (spec.steps_cap + 1)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.iterations < limit), body, initial)
+
+
+def _count(counts: jax.Array, token: jax.Array) -> jax.Array:
+    """counts[:, token], or 0 when the token id is -1 (absent)."""
+    return jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)

@@ -1,0 +1,108 @@
+"""`process(ℓ, t)` of spec §4 — repetition, presence/frequency, length and thinking controls,
+the mask ban — and the choice of a token with its confidence (greedy or sampled).
+
+Everything is a pure function of arrays, used per sequence inside the jitted decoding loop.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Controls(NamedTuple):
+    """The numeric controls, traced (changing them does not recompile)."""
+
+    repetition_penalty: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    length_penalty: jax.Array
+    length_start: jax.Array
+    length_window: jax.Array
+    think_end_bias: jax.Array
+    think_end_start: jax.Array
+    think_end_window: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    threshold: jax.Array
+
+
+class TokenIds(NamedTuple):
+    """Special tokens; -1 where a checkpoint has none. eos: int32 [num_eos]."""
+
+    eos: jax.Array
+    mask: jax.Array
+    think_start: jax.Array
+    think_end: jax.Array
+
+
+def ramp(t: jax.Array, start: jax.Array, window: jax.Array) -> jax.Array:
+    """clip((t − start) / window, 0, 1); a window of 0 is a step at `start`."""
+    t = t.astype(jnp.float32)
+    smooth = jnp.clip((t - start) / jnp.maximum(window, 1), 0.0, 1.0)
+    return jnp.where(window == 0, (t >= start).astype(jnp.float32), smooth)
+
+
+def process(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thinking_open: jax.Array,
+            controls: Controls, ids: TokenIds) -> jax.Array:
+    """Spec §4 steps 1–5 for the rows of one sequence's block.
+
+    logits: float32 [rows, vocab]; counts: int32 [vocab], response token counts so far;
+    response_index: int32 [rows], t of each row; thinking_open: bool []
+    """
+    seen = (counts > 0)[None, :]
+    penalised = jnp.where(logits > 0, logits / controls.repetition_penalty, logits * controls.repetition_penalty)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - controls.frequency_penalty * counts[None, :] - controls.presence_penalty * seen
+    vocab = jnp.arange(logits.shape[-1])
+    length_bias = controls.length_penalty * ramp(response_index, controls.length_start, controls.length_window)
+    is_eos = jnp.any(vocab[:, None] == ids.eos[None, :], axis=-1)  # -1 entries never match
+    logits = logits + jnp.where(is_eos[None, :], length_bias[:, None], 0.0)
+    think_bias = controls.think_end_bias * ramp(response_index, controls.think_end_start, controls.think_end_window)
+    think_bias = jnp.where(thinking_open, think_bias, 0.0)
+    logits = logits + jnp.where((vocab == ids.think_end)[None, :], think_bias[:, None], 0.0)
+    return jnp.where((vocab == ids.mask)[None, :], -jnp.inf, logits)
+
+
+class Choice(NamedTuple):
+    """token: int32 [rows]; confidence: its probability; margin: top-1 minus top-2 probability;
+    entropy: of the distribution the token was chosen from (nats)."""
+
+    token: jax.Array
+    confidence: jax.Array
+    margin: jax.Array
+    entropy: jax.Array
+
+
+def sampling_logits(logits: jax.Array, controls: Controls) -> jax.Array:
+    """Temperature, then top-k, then top-p (nucleus), as transformers' logits warpers apply them."""
+    logits = logits / controls.temperature
+    descending = jnp.sort(logits, axis=-1)[..., ::-1]
+    k = jnp.where(controls.top_k > 0, jnp.minimum(controls.top_k, logits.shape[-1]), logits.shape[-1])
+    kth = jnp.take_along_axis(descending, jnp.broadcast_to(k - 1, logits.shape[:-1])[..., None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    descending = jnp.sort(logits, axis=-1)[..., ::-1]
+    probabilities = jax.nn.softmax(descending, axis=-1)
+    mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities
+    # keep the smallest prefix of the sorted tokens whose mass reaches top_p (always the first)
+    kept = (mass_before < controls.top_p) | (jnp.arange(logits.shape[-1]) == 0)
+    cutoff = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def choose(logits: jax.Array, controls: Controls, do_sample: bool, key: jax.Array | None) -> Choice:
+    """Greedy argmax (ties: lowest id) or a sample; confidence is the chosen token's probability
+    under the distribution it was chosen from. logits: float32 [rows, vocab]."""
+    if do_sample:
+        logits = sampling_logits(logits, controls)
+        token = jax.random.categorical(key, logits, axis=-1)
+    else:
+        token = jnp.argmax(logits, axis=-1)
+    probabilities = jax.nn.softmax(logits, axis=-1)
+    confidence = jnp.take_along_axis(probabilities, token[:, None], axis=-1)[:, 0]
+    top_two = jax.lax.top_k(probabilities, 2)[0]
+    entropy = -jnp.sum(jnp.where(probabilities > 0, probabilities * jnp.log(probabilities), 0.0), axis=-1)
+    return Choice(token.astype(jnp.int32), confidence, top_two[:, 0] - top_two[:, 1], entropy)

@@ -1,0 +1,248 @@
+"""`generate`: validation, batch layout and bucketing on the host; one jitted loop on the device.
+
+Layout (spec §4). Absolute alignment: sequence i's first `floor(P_i/B)` prompt blocks are the
+causal prefix and its prompt tail opens the first decoded block; sequences are left-padded by
+whole blocks so that their first decoded blocks line up. Prompt alignment: every prompt is
+the whole prefix, left-padded so that all prompts end at the same cache row.
+
+Compilation is reused across calls by bucketing (policy): the prefix length in blocks and the
+number of decoded blocks are rounded up to powers of two, so prompts and `max_new_tokens`
+that land in the same buckets — at the same batch size and block size — share one compiled
+loop. Extra padding is masked out (RoPE positions count from each sequence's first token), and
+extra blocks are never run: the loop stops when every sequence is finished. Numeric controls
+(threshold, penalties, ramps, temperature, top-k/p, coreset top-p) are traced, so changing them
+does not recompile; the schedule, `do_sample`, block size and schedule knobs do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
+from decoding.block_loop import LoopSpec, Request, run_block_decoder
+from decoding.controls import Controls, TokenIds
+from decoding.generation_config import GenerationConfig
+from decoding.schedules import ScheduleKnobs, resolve
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """Per prompt: response tokens (cut at max_new_tokens and after the first EOS, kept), forward
+    passes, denoising steps of each decoded block, response tokens per forward, mean distinct
+    experts per MoE layer per step of each block; the wall time of the call; and, with
+    `return_trajectory=True`, for every response position the denoising step (1-based, within its
+    block) that filled it and its confidence then."""
+
+    sequences: list[list[int]]
+    nfe: list[int]
+    steps_per_block: list[list[int]]
+    tokens_per_forward: list[float]
+    distinct_experts_per_block: list[list[float]]
+    wall_time: float
+    trajectory: list[dict[str, list]] | None = None
+
+
+def bucket(count: int) -> int:
+    """0 stays 0; otherwise the next power of two."""
+    return 0 if count == 0 else 1 << (count - 1).bit_length()
+
+
+def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
+             key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
+             **overrides: Any) -> GenerateOutput:
+    """Decode a response to each prompt (spec §4, §6).
+
+    prompts: token ids per prompt; generation_config: defaults to the checkpoint's
+    `generation_config.json`; overrides: GenerationConfig fields; key: PRNG key for sampling
+    (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion" or "autoregressive".
+    Every check runs before anything is compiled or computed.
+    """
+    config = _resolve_config(model, generation_config, overrides)
+    prompts = _check_prompts(model, prompts, config, mode)
+    if config.do_sample and key is None:
+        raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
+    base_key = key if key is not None else jax.random.key(0)
+    keys = jnp.stack([jax.random.fold_in(base_key, i) for i in range(len(prompts))])
+    controls, ids = _controls(config), _token_ids(model, config)
+    thinking = np.array([_prompt_thinking(p, config) for p in prompts])
+    started = time.perf_counter()
+    if mode == "autoregressive":
+        output = _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking)
+    else:
+        output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory)
+    output.wall_time = time.perf_counter() - started
+    return output
+
+
+# ---------------------------------------------------------------------- validation
+def _resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    if generation_config is None:
+        path = getattr(model, "path", None)
+        generation_config = GenerationConfig.from_pretrained(path) if path else GenerationConfig(
+            eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
+    config = generation_config.replace(**overrides)
+    if config.max_new_tokens is None:
+        raise ValueError("max_new_tokens is not set: pass max_new_tokens=... or set it in generation_config.json")
+    if config.mask_token_id is None and model.config.mask_token_id is not None:
+        config = config.replace(mask_token_id=model.config.mask_token_id)
+    if not config.eos_token_id and model.config.eos_token_id:
+        config = config.replace(eos_token_id=model.config.eos_token_id)
+    return config
+
+
+def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
+    vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
+    if mode not in ("diffusion", "autoregressive"):
+        raise ValueError(f"mode must be 'diffusion' or 'autoregressive', got {mode!r}")
+    if mode == "diffusion" and config.mask_token_id is None:
+        raise ValueError("diffusion decoding needs mask_token_id (config.json or generation_config.json); "
+                         "base Qwen checkpoints decode with mode='autoregressive'")
+    for name in ("mask_token_id", "think_start_token_id", "think_end_token_id"):
+        value = getattr(config, name)
+        if value is not None and not 0 <= value < vocab:
+            raise ValueError(f"{name}={value} is outside the vocabulary [0, {vocab})")
+    bad_eos = [e for e in config.eos_token_id if not 0 <= e < vocab]
+    if bad_eos:
+        raise ValueError(f"eos_token_id {bad_eos} outside the vocabulary [0, {vocab})")
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    checked = []
+    size, new = config.block_size, config.max_new_tokens
+    for index, prompt in enumerate(prompts):
+        array = np.asarray(prompt)
+        if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"prompt {index} must be a non-empty list of int token ids")
+        if array.min() < 0 or array.max() >= vocab:
+            raise ValueError(f"prompt {index} holds ids in [{array.min()}, {array.max()}], outside the vocabulary "
+                             f"[0, {vocab})")
+        if config.mask_token_id is not None and np.any(array == config.mask_token_id):
+            raise ValueError(f"prompt {index} contains the mask token id {config.mask_token_id}")
+        length = int(array.size)
+        if mode == "autoregressive":
+            needed, rule = length + new, "P + N"
+        elif config.block_alignment == "absolute":
+            needed, rule = math.ceil((length + new) / size) * size, "ceil((P + N) / B) * B"
+        else:
+            needed, rule = length + math.ceil(new / size) * size, "P + ceil(N / B) * B"
+        if needed > limit:
+            raise ValueError(f"prompt {index}: {rule} = {needed} positions (P={length}, N={new}, B={size}) "
+                             f"exceeds the model's context of {limit} (max_position_embeddings)")
+        checked.append([int(t) for t in array])
+    return checked
+
+
+def _controls(config: GenerationConfig) -> Controls:
+    f = jnp.float32
+    return Controls(f(config.repetition_penalty), f(config.frequency_penalty), f(config.presence_penalty),
+                    f(config.dllm_length_penalty), f(config.dllm_length_penalty_start),
+                    f(config.dllm_length_penalty_window), f(config.dllm_think_end_bias),
+                    f(config.dllm_think_end_start), f(config.dllm_think_end_window), f(config.temperature),
+                    jnp.int32(config.top_k), f(config.top_p), f(config.threshold))
+
+
+def _token_ids(model, config: GenerationConfig) -> TokenIds:
+    as_id = lambda value: jnp.int32(-1 if value is None else value)
+    eos = jnp.asarray(list(config.eos_token_id) or [-1], jnp.int32)
+    return TokenIds(eos, as_id(config.mask_token_id), as_id(config.think_start_token_id),
+                    as_id(config.think_end_token_id))
+
+
+def _prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
+    """Does the prompt end inside an unclosed <think>?"""
+    if config.think_start_token_id is None or config.think_end_token_id is None:
+        return False
+    opened = max((i for i, t in enumerate(prompt) if t == config.think_start_token_id), default=-1)
+    closed = max((i for i, t in enumerate(prompt) if t == config.think_end_token_id), default=-1)
+    return opened > closed
+
+
+# ---------------------------------------------------------------------- diffusion
+def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory) -> GenerateOutput:
+    size, new = config.block_size, config.max_new_tokens
+    lengths = np.array([len(p) for p in prompts])
+    if config.block_alignment == "absolute":
+        prefix_blocks = lengths // size
+        tails = lengths % size
+        blocks_needed = -(-(lengths + new) // size) - prefix_blocks
+    else:
+        prefix_blocks = -(-lengths // size)  # whole prompts, padded to blocks
+        tails = np.zeros_like(lengths)
+        blocks_needed = np.full_like(lengths, -(-new // size))
+    prefix_bucket = bucket(int(prefix_blocks.max()))
+    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max())), config.steps_cap, config.do_sample,
+                    resolve(config.schedule),
+                    ScheduleKnobs(config.tokens_per_step, config.margin_threshold, config.entropy_bound),
+                    _coreset(model, config))
+
+    prefix_length = prefix_bucket * size
+    prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
+    first_block = np.full((len(prompts), size), config.mask_token_id, np.int32)
+    start = np.zeros(len(prompts), np.int32)
+    for i, prompt in enumerate(prompts):
+        in_prefix = prompt[:len(prompt) - tails[i]]
+        start[i] = prefix_length - len(in_prefix)
+        prefix_ids[i, start[i]:] = in_prefix
+        first_block[i, :tails[i]] = prompt[len(prompt) - tails[i]:]
+    fixed = np.arange(size)[None, :] < tails[:, None]
+    coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
+    request = Request(jnp.asarray(prefix_ids), jnp.asarray(first_block), jnp.asarray(fixed), jnp.asarray(start),
+                      jnp.asarray(-tails, jnp.int32), jnp.full(len(prompts), new, jnp.int32),
+                      jnp.asarray(thinking), jnp.asarray(lengths - tails > 0), keys, jnp.float32(coreset_top_p))
+    final = jax.device_get(run_block_decoder(model.module, model.params, spec, request, controls, ids))
+
+    eos = set(config.eos_token_id)
+    output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
+    for i in range(len(prompts)):
+        closed = int(np.sum(final.steps_per_block[i] > 0))
+        flat = lambda array: np.asarray(array[i, :closed]).reshape(-1)[tails[i]:tails[i] + new]
+        response = flat(final.tokens).tolist()
+        cut = next((n + 1 for n, token in enumerate(response) if token in eos), len(response))
+        steps = final.steps_per_block[i, :closed]
+        output.sequences.append(response[:cut])
+        output.nfe.append(int(final.nfe[i]))
+        output.steps_per_block.append([int(s) for s in steps])
+        output.tokens_per_forward.append(cut / max(int(final.nfe[i]), 1))
+        output.distinct_experts_per_block.append(
+            [float(d) / int(s) for d, s in zip(final.distinct_experts[i, :closed], steps)])
+        if return_trajectory:
+            output.trajectory.append({"step": flat(final.fill_step)[:cut].tolist(),
+                                      "confidence": flat(final.fill_confidence)[:cut].tolist()})
+    return output
+
+
+def _coreset(model, config: GenerationConfig) -> bool:
+    return model.config.moe_block_coreset_enabled if config.coreset is None else bool(config.coreset)
+
+
+# ---------------------------------------------------------------------- autoregressive
+def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking) -> GenerateOutput:
+    lengths = np.array([len(p) for p in prompts])
+    prompt_length = max(8, bucket(int(lengths.max())))
+    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens), config.do_sample)
+    prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompt_ids[i, prompt_length - len(prompt):] = prompt
+    final = jax.device_get(run_autoregressive(
+        model.module, model.params, spec, jnp.asarray(prompt_ids), jnp.asarray(prompt_length - lengths, jnp.int32),
+        jnp.full(len(prompts), config.max_new_tokens, jnp.int32), jnp.asarray(thinking), keys, controls, ids))
+    output = GenerateOutput([], [], [], [], [], 0.0, None)
+    for i in range(len(prompts)):
+        response = final.tokens[i, :int(final.lengths[i])].tolist()
+        output.sequences.append(response)
+        output.nfe.append(int(final.nfe[i]))
+        output.steps_per_block.append([1] * len(response))
+        output.tokens_per_forward.append(len(response) / max(int(final.nfe[i]), 1))
+        output.distinct_experts_per_block.append([])
+    return output
