@@ -1,7 +1,7 @@
 """Decoding: LowConfidence block diffusion (spec §4) and autoregressive mode, in jitted loops."""
 
 from decoding import schedules
-from decoding.generate import GenerateOutput, generate
+from decoding.generation import GenerateOutput, generate
 from decoding.generation_config import GenerationConfig
 
 __all__ = ["GenerateOutput", "GenerationConfig", "generate", "schedules"]
