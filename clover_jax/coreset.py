@@ -41,7 +41,11 @@ def route_within(probabilities: jax.Array, allowed: jax.Array, top_k: int) -> tu
     masked = jnp.where(allowed[:, None, :], probabilities, -1.0)
     scores, expert_ids = jax.lax.top_k(masked, top_k)
     weights = jnp.maximum(scores, 0.0)
-    return expert_ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
+    # Choices beyond a small subset point at the token's first kept expert with weight 0, so the
+    # dispatch loads no expert outside the subset.
+    expert_ids = jnp.where(scores >= 0, expert_ids, expert_ids[..., :1])
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return expert_ids, weights / jnp.where(total > 0, total, 1.0)
 
 
 def distinct_experts(expert_ids: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:

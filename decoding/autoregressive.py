@@ -38,7 +38,8 @@ class AutoregressiveState(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("module", "spec"))
 def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
                        start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, keys: jax.Array,
-                       controls: Controls, ids: TokenIds) -> AutoregressiveState:
+                       controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches."""
     batch = prompt_ids.shape[0]
     vocab = module.config.vocab_size
     call = functools.partial(module.apply, {"params": params})
@@ -73,4 +74,5 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
         nfe = state.nfe + (~finished).astype(jnp.int32)
         return AutoregressiveState(model, logits, tokens, counts, finished, lengths, nfe, index + 1)
 
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens), body, initial)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens), body, initial)
+    return final.tokens, final.lengths, final.nfe

@@ -1,7 +1,7 @@
 """The LowConfidence block-diffusion decoder of spec §4 as one jitted `jax.lax.while_loop`.
 
 The batch moves in lockstep over blocks aligned across sequences (left padding chosen by
-`decoding.layout`). Each iteration is one model call: a denoising step of the current block,
+`decoding.generation`). Each iteration is one model call: a denoising step of the current block,
 or — once every unfinished sequence has decided its block — the commit of that block fused
 with the first denoising step of the next. A sequence whose block is decided waits for the
 others without counting a forward pass, so its tokens, steps and NFE equal a lone run.
@@ -50,6 +50,17 @@ class Request(NamedTuple):
     coreset_top_p: jax.Array     # float32 []
 
 
+class Results(NamedTuple):
+    """What leaves the device: the per-sequence outputs, not the caches."""
+
+    tokens: jax.Array
+    steps_per_block: jax.Array
+    fill_step: jax.Array
+    fill_confidence: jax.Array
+    distinct_experts: jax.Array
+    nfe: jax.Array
+
+
 class LoopState(NamedTuple):
     model: ModelState
     block: jax.Array             # int32 [b, B]
@@ -71,7 +82,7 @@ class LoopState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("module", "spec"))
 def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
-                      controls: Controls, ids: TokenIds) -> LoopState:
+                      controls: Controls, ids: TokenIds) -> Results:
     """Prefill, then denoise and commit blocks until every sequence is finished."""
     batch, size = request.first_block.shape
     vocab = module.config.vocab_size
@@ -124,7 +135,8 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
         view = StepView(choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
                         step, controls.threshold)
         after = jax.vmap(spec.schedule, in_axes=(StepView(0, 0, 0, 0, 0, 0, 0, None), None))(view, spec.knobs)
-        after = (after | fixed | (step[:, None] + 1 >= spec.steps_cap)) & active[:, None] | decided & ~active[:, None]
+        forced = after | fixed | (step[:, None] + 1 >= spec.steps_cap)
+        after = jnp.where(active[:, None], forced, decided)
         filled, remasked = after & ~decided, decided & ~after
         block = jnp.where(filled, choice.token, jnp.where(remasked, ids.mask, current))
         delta = (filled & is_response).astype(jnp.int32) - (remasked & is_response).astype(jnp.int32)
@@ -150,7 +162,9 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
                          state.nfe + active, state.iterations + 1)
 
     limit = spec.max_blocks * (spec.steps_cap + 1)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.iterations < limit), body, initial)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.iterations < limit), body, initial)
+    return Results(final.tokens, final.steps_per_block, final.fill_step, final.fill_confidence,
+                   final.distinct_experts, final.nfe)
 
 
 def _count(counts: jax.Array, token: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ import numpy as np
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
-from decoding.generation_config import GenerationConfig
+from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
 from decoding.schedules import ScheduleKnobs, resolve
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     """
     config = _resolve_config(model, generation_config, overrides)
     prompts = _check_prompts(model, prompts, config, mode)
+    if return_trajectory and mode == "autoregressive":
+        raise ValueError("return_trajectory is for diffusion decoding; autoregressive mode fills one token per step")
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
     base_key = key if key is not None else jax.random.key(0)
@@ -86,11 +88,14 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 # ---------------------------------------------------------------------- validation
 def _resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    path = getattr(model, "path", None)
     if generation_config is None:
-        path = getattr(model, "path", None)
-        generation_config = GenerationConfig.from_pretrained(path) if path else GenerationConfig(
-            eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
+        generation_config = GenerationConfig.from_pretrained(path) if path else GenerationConfig.for_model_type(
+            model.config.model_type, eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
     config = generation_config.replace(**overrides)
+    if path and (config.think_start_token_id is None or config.think_end_token_id is None):
+        found = think_tokens_from_tokenizer(path)
+        config = config.replace(**{key: value for key, value in found.items() if getattr(config, key) is None})
     if config.max_new_tokens is None:
         raise ValueError("max_new_tokens is not set: pass max_new_tokens=... or set it in generation_config.json")
     if config.mask_token_id is None and model.config.mask_token_id is not None:
@@ -234,15 +239,15 @@ def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinki
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt
-    final = jax.device_get(run_autoregressive(
+    tokens, generated, nfe = jax.device_get(run_autoregressive(
         model.module, model.params, spec, jnp.asarray(prompt_ids), jnp.asarray(prompt_length - lengths, jnp.int32),
         jnp.full(len(prompts), config.max_new_tokens, jnp.int32), jnp.asarray(thinking), keys, controls, ids))
     output = GenerateOutput([], [], [], [], [], 0.0, None)
     for i in range(len(prompts)):
-        response = final.tokens[i, :int(final.lengths[i])].tolist()
+        response = tokens[i, :int(generated[i])].tolist()
         output.sequences.append(response)
-        output.nfe.append(int(final.nfe[i]))
+        output.nfe.append(int(nfe[i]))
         output.steps_per_block.append([1] * len(response))
-        output.tokens_per_forward.append(len(response) / max(int(final.nfe[i]), 1))
+        output.tokens_per_forward.append(len(response) / max(int(nfe[i]), 1))
         output.distinct_experts_per_block.append([])
     return output

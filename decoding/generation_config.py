@@ -8,8 +8,10 @@ Keyword overrides replace loaded values; every field is validated with a clear `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import numbers
 import os
 from typing import Any, Callable
 
@@ -70,25 +72,36 @@ class GenerationConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    def for_model_type(cls, model_type: str, **values: Any) -> "GenerationConfig":
+        """The defaults of spec §4: the model card's for clover_moe, neutral controls for base Qwen."""
+        defaults: dict[str, Any] = dict(CLOVER_DEFAULTS)
+        if model_type != "clover_moe":
+            defaults.update(NEUTRAL_CONTROLS)
+        return cls.from_dict({**defaults, **values})
+
+    @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> "GenerationConfig":
         """Read `generation_config.json` (optional) with the defaults of the checkpoint's model type."""
         path = os.fspath(path)
-        with open(os.path.join(path, "config.json")) as handle:
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"no config.json in {path!r}")
+        with open(config_path) as handle:
             model_config = json.load(handle)
         text = model_config.get("text_config", model_config) if model_config.get("model_type") == "qwen3_5_moe" \
             else model_config
         values: dict[str, Any] = dict(CLOVER_DEFAULTS)
         if model_config.get("model_type") != "clover_moe":
             values.update(NEUTRAL_CONTROLS)
-        values["eos_token_id"] = text.get("eos_token_id") or ()
-        values["mask_token_id"] = text.get("mask_token_id")
+        values["eos_token_id"] = text.get("eos_token_id", model_config.get("eos_token_id")) or ()
+        values["mask_token_id"] = text.get("mask_token_id", model_config.get("mask_token_id"))
         generation_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(generation_path):
             with open(generation_path) as handle:
                 stored = json.load(handle)
             known = {f.name for f in dataclasses.fields(cls)}
             values.update({key: value for key, value in stored.items() if key in known and value is not None})
-        thinking = _think_tokens_from_tokenizer(path)
+        thinking = think_tokens_from_tokenizer(path)
         for key, token in thinking.items():
             if values.get(key) is None:
                 values[key] = token
@@ -112,13 +125,16 @@ class GenerationConfig:
             if not condition:
                 raise ValueError(message)
 
+        need(all(isinstance(e, numbers.Integral) for e in self.eos_token_id),
+             f"eos_token_id must be an int or a list of ints, got {self.eos_token_id!r}")
         if self.max_new_tokens is not None:
-            need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            need(isinstance(self.max_new_tokens, numbers.Integral) and self.max_new_tokens >= 1,
                  f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         need(isinstance(self.block_size, int) and self.block_size >= 1,
              f"block_size must be an integer >= 1, got {self.block_size!r}")
         need(0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")
-        need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        if self.do_sample:  # transformers' configs may carry temperature 0 with greedy decoding
+            need(self.temperature > 0, f"temperature must be > 0 when do_sample=True, got {self.temperature}")
         need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty", "dllm_length_penalty", "dllm_think_end_bias"):
@@ -147,7 +163,8 @@ class GenerationConfig:
         return self.max_steps_per_block or self.block_size
 
 
-def _think_tokens_from_tokenizer(path: str) -> dict[str, int]:
+@functools.lru_cache(maxsize=8)
+def think_tokens_from_tokenizer(path: str) -> dict[str, int]:
     """`<think>` / `</think>` ids from the checkpoint's tokenizer.json, when it has them."""
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_path):

@@ -35,7 +35,7 @@ ShardingFor = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding
 class LoadReport:
     dtype: str
     tensors_read: int
-    skipped: int  # model.visual.* / mtp.* (and a redundant lm_head when embeddings are tied)
+    skipped: int  # model.visual.* / mtp.* tensors
     bytes_read: int
     seconds: float
 
@@ -66,6 +66,9 @@ def load_params(
                         "block_size_calibration 0)", len(defaulted), os.fspath(directory))
         _check_shapes_and_dtypes(files, placements, sources)
         target_dtype = np.dtype(dtype if dtype is not None else _checkpoint_dtype(files))
+        if target_dtype not in FLOAT_DTYPES.values():
+            raise ValueError(f"dtype {target_dtype} is not a float dtype; use one of "
+                             f"{sorted(str(d) for d in FLOAT_DTYPES.values())} (or None for the checkpoint's)")
 
         by_leaf: dict[tuple[str, ...], list[str]] = defaultdict(list)
         for canonical, placement in placements.items():
@@ -111,7 +114,6 @@ def _match_tensors(files: CheckpointFiles, config: CloverConfig, placements: dic
         canonical_name = normalise_prefix(name_map.get(name, name))
         if canonical_name == "lm_head.weight" and config.tie_word_embeddings:
             logger.info("ignoring lm_head.weight: config.tie_word_embeddings is true")
-            skipped += 1
             continue
         held = canonical_sources(canonical_name, name, info.shape, config)
         if held is None:

@@ -102,6 +102,9 @@ def test_compilation_is_reused_within_buckets(peaked, controls_config):
     ([[1, 2]], {"schedule": "fastest"}, "schedule must be one of"),
     ([[1, 2]], {"do_sample": True}, "needs a PRNG key"),
     ([[1, 2]], {"beam_width": 4}, "unknown generation options \\['beam_width'\\]"),
+    ([[1, 2]], {"eos_token_id": ["a"]}, "eos_token_id must be an int or a list of ints"),
+    ([[1, 2]], {"eos_token_id": 500}, "eos_token_id \\[500\\] outside the vocabulary"),
+    ([[1, 2]], {"do_sample": True, "temperature": 0.0}, "temperature must be > 0 when do_sample=True"),
 ])
 def test_bad_requests_are_refused_before_compute(peaked, controls_config, monkeypatch, prompts, overrides, message):
     calls = []
@@ -125,3 +128,10 @@ def test_generation_config_defaults_follow_the_model_type(clover_checkpoint, qwe
     assert (base.presence_penalty, base.repetition_penalty, base.dllm_length_penalty, base.dllm_think_end_bias) == \
         (0.0, 1.0, 0.0, 0.0)
     assert GenerationConfig.from_pretrained(clover_checkpoint, threshold=0.5).threshold == 0.5
+
+
+def test_trajectory_is_refused_in_autoregressive_mode_and_a_missing_checkpoint_is_named(peaked, tmp_path):
+    with pytest.raises(ValueError, match="return_trajectory is for diffusion decoding"):
+        generate(peaked, [[1, 2]], max_new_tokens=4, mode="autoregressive", return_trajectory=True)
+    with pytest.raises(ValueError, match="no config.json in"):
+        GenerationConfig.from_pretrained(tmp_path)

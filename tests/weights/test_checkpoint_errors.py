@@ -128,3 +128,8 @@ def test_renamed_tensor_loads_with_name_map(checkpoint_copy, clover_model):
 def test_name_map_naming_an_absent_tensor_is_refused(checkpoint_copy):
     with pytest.raises(CheckpointError, match="does not have: \\['model.typo'\\]"):
         load(checkpoint_copy, name_map={"model.typo": A_TENSOR})
+
+
+def test_non_float_dtype_is_refused(qwen36_checkpoint):
+    with pytest.raises(ValueError, match="dtype int8 is not a float dtype"):
+        load(qwen36_checkpoint, dtype="int8")
