@@ -20,6 +20,7 @@ from clover_jax.model import CloverTransformer
 from clover_jax.state import ModelState, empty_state
 from decoding.controls import Controls, TokenIds, choose, process
 from decoding.schedules import ScheduleKnobs, StepView
+from decoding.streaming import report_closed_blocks
 
 
 class LoopSpec(NamedTuple):
@@ -33,6 +34,7 @@ class LoopSpec(NamedTuple):
     schedule: Callable
     knobs: ScheduleKnobs
     coreset: bool
+    report_blocks: bool   # call the host once per decided block (streaming, progress)
 
 
 class Request(NamedTuple):
@@ -48,6 +50,7 @@ class Request(NamedTuple):
     has_prefix: jax.Array        # bool [b]: the sequence alone would have run a prefill
     keys: jax.Array              # PRNG keys [b]
     coreset_top_p: jax.Array     # float32 []
+    call_id: jax.Array           # int32 []: whose listener gets the decided blocks
 
 
 class Results(NamedTuple):
@@ -156,6 +159,10 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
         has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
         reached = request.response_base + (block_iter + 1) * size >= request.max_new_tokens
         finished = state.finished | (closing & (has_eos | reached))
+        if spec.report_blocks:
+            jax.lax.cond(jnp.any(closing), lambda: jax.debug.callback(
+                report_closed_blocks, request.call_id, closing, block, block_iter, request.response_base,
+                ordered=True), lambda: None)
         waiting = finished | jnp.all(after, axis=-1)
         return LoopState(model, block, after, fixed, block_iter, step, jnp.all(waiting) & ~jnp.all(finished),
                          counts, finished, tokens, steps_per_block, fill_step, fill_confidence, distinct_experts,

@@ -25,12 +25,14 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
 from decoding.schedules import ScheduleKnobs, resolve
+from decoding.streaming import BlockListener, register, unregister
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +61,20 @@ def bucket(count: int) -> int:
 
 def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
              key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
-             **overrides: Any) -> GenerateOutput:
+             on_block: BlockListener | None = None, progress: bool = False, **overrides: Any) -> GenerateOutput:
     """Decode a response to each prompt (spec §4, §6).
 
     prompts: token ids per prompt; generation_config: defaults to the checkpoint's
     `generation_config.json`; overrides: GenerationConfig fields; key: PRNG key for sampling
     (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion" or "autoregressive".
-    Every check runs before anything is compiled or computed.
+    on_block(prompt index, response tokens of the block, block number) is called on the host as
+    each block is decided (diffusion mode; one host call per block, none per step); progress
+    shows a progress bar of response tokens decided. Every check runs before anything is compiled.
     """
     config = _resolve_config(model, generation_config, overrides)
     prompts = _check_prompts(model, prompts, config, mode)
-    if return_trajectory and mode == "autoregressive":
-        raise ValueError("return_trajectory is for diffusion decoding; autoregressive mode fills one token per step")
+    if (return_trajectory or on_block or progress) and mode == "autoregressive":
+        raise ValueError("return_trajectory, on_block and progress are for diffusion decoding")
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
     base_key = key if key is not None else jax.random.key(0)
@@ -81,7 +85,15 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     if mode == "autoregressive":
         output = _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking)
     else:
-        output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory)
+        listener, bar = _block_listener(on_block, progress, len(prompts) * config.max_new_tokens)
+        call_id = register(listener) if listener else 0
+        try:
+            output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory,
+                                         call_id)
+        finally:
+            unregister(call_id)
+            if bar is not None:
+                bar.close()
     output.wall_time = time.perf_counter() - started
     return output
 
@@ -174,7 +186,23 @@ def _prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
 
 
 # ---------------------------------------------------------------------- diffusion
-def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory) -> GenerateOutput:
+def _block_listener(on_block, progress: bool, total_tokens: int):
+    """The host listener for decided blocks: the user's callback and/or a progress bar."""
+    if not on_block and not progress:
+        return None, None
+    bar = tqdm(total=total_tokens, unit="tok", desc="decoding") if progress else None
+
+    def listener(index: int, tokens: list, block_number: int) -> None:
+        if bar is not None:
+            bar.update(len(tokens))
+        if on_block is not None:
+            on_block(index, tokens, block_number)
+
+    return listener, bar
+
+
+def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory,
+                        call_id: int) -> GenerateOutput:
     size, new = config.block_size, config.max_new_tokens
     lengths = np.array([len(p) for p in prompts])
     if config.block_alignment == "absolute":
@@ -189,7 +217,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max())), config.steps_cap, config.do_sample,
                     resolve(config.schedule),
                     ScheduleKnobs(config.tokens_per_step, config.margin_threshold, config.entropy_bound),
-                    _coreset(model, config))
+                    _coreset(model, config), call_id != 0)
 
     prefix_length = prefix_bucket * size
     prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
@@ -204,8 +232,10 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
     request = Request(jnp.asarray(prefix_ids), jnp.asarray(first_block), jnp.asarray(fixed), jnp.asarray(start),
                       jnp.asarray(-tails, jnp.int32), jnp.full(len(prompts), new, jnp.int32),
-                      jnp.asarray(thinking), jnp.asarray(lengths - tails > 0), keys, jnp.float32(coreset_top_p))
+                      jnp.asarray(thinking), jnp.asarray(lengths - tails > 0), keys, jnp.float32(coreset_top_p),
+                      jnp.int32(call_id))
     final = jax.device_get(run_block_decoder(model.module, model.params, spec, request, controls, ids))
+    jax.effects_barrier()  # every block report has reached the host
 
     eos = set(config.eos_token_id)
     output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)

@@ -135,3 +135,14 @@ def test_trajectory_is_refused_in_autoregressive_mode_and_a_missing_checkpoint_i
         generate(peaked, [[1, 2]], max_new_tokens=4, mode="autoregressive", return_trajectory=True)
     with pytest.raises(ValueError, match="no config.json in"):
         GenerationConfig.from_pretrained(tmp_path)
+
+
+def test_on_block_streams_each_decided_block_once(peaked, controls_config):
+    seen: dict[int, list] = {0: [], 1: []}
+    out = generate(peaked, PROMPTS[:2], controls_config,
+                   on_block=lambda index, tokens, number: seen[index].append((number, tokens)))
+    for index in range(2):
+        numbers = [number for number, _ in seen[index]]
+        assert numbers == sorted(set(numbers)) and len(numbers) == len(out.steps_per_block[index])
+        streamed = [token for _, tokens in seen[index] for token in tokens]
+        assert streamed[:len(out.sequences[index])] == out.sequences[index]
