@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
 from clover_jax.model import CloverTransformer, Params, PassOutput
 from clover_jax.state import ModelState, empty_state
@@ -38,14 +39,23 @@ def run_pass(module: CloverTransformer, params: Params, input_ids: jax.Array, st
     return module.apply({"params": params}, input_ids, state, num_causal, logits_from, coreset, coreset_top_p)
 
 
+@functools.partial(jax.jit, static_argnames=("module", "chunk_size", "logits"))
+def run_causal(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
+               chunk_size: int, logits: str) -> tuple[jax.Array | None, ModelState]:
+    """Prefill / commit / forward: `clover_jax.chunked.causal_pass`, compiled."""
+    return causal_pass(module, params, input_ids, state, chunk_size, logits)
+
+
 class CloverModel:
     """A Clover / Qwen3.5-MoE text model: config, parameters and validated entry points.
 
     Parameters are an explicit pytree (`model.params`); state is an explicit `ModelState`.
     """
 
-    def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None):
+    def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK):
         self.config = config
+        self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (spec §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
         self.params = params
         self.dtype = jnp.dtype(dtype)
@@ -60,6 +70,7 @@ class CloverModel:
         name_map: dict[str, str] | None = None,
         strict: bool = False,
         progress: bool = True,
+        chunk_size: int = DEFAULT_CHUNK,
     ) -> "CloverModel":
         """Load a Hugging Face layout checkpoint directory.
 
@@ -68,6 +79,7 @@ class CloverModel:
         name_map: checkpoint tensor name -> expected name, for checkpoints whose names differ.
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
             the spec §2 defaults for them.
+        chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
         """
         from weights.loader import load_params  # weights depends on clover_jax, not the reverse
 
@@ -78,14 +90,14 @@ class CloverModel:
             sharding_for = lambda path, shape: replicated
         params, report = load_params(path, config, dtype=dtype, name_map=name_map,
                                      sharding_for=sharding_for, progress=progress, strict=strict)
-        return cls(config, params, report.dtype, os.fspath(path))
+        return cls(config, params, report.dtype, os.fspath(path), chunk_size)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
         """Causal logits (spec §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
         ids = self.check_token_ids(input_ids, "input_ids")
         state = self.init_state(ids.shape[0], ids.shape[1])
-        return self._run(ids, state, num_causal=ids.shape[1], logits_from=0).logits
+        return run_causal(self.module, self.params, jnp.asarray(ids), state, self.chunk_size, "all")[0]
 
     def init_state(self, batch: int, capacity: int, start=None) -> ModelState:
         """An empty prefix state holding up to `capacity` rows; `start` (int [batch]) marks left padding."""
@@ -104,10 +116,9 @@ class CloverModel:
         """
         ids = self.check_token_ids(token_ids, "token_ids", state)
         self._check_room(state, ids.shape[1])
-        num_tokens = ids.shape[1]
-        logits_from = {"all": 0, "last": num_tokens - 1, "none": num_tokens}[logits]
-        out = self._run(ids, state, num_causal=num_tokens, logits_from=logits_from)
-        return (None if logits == "none" else out.logits), out.state
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        return run_causal(self.module, self.params, jnp.asarray(ids), state, self.chunk_size, logits)
 
     # ------------------------------------------------------------------ block mode
     def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,

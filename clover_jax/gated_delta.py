@@ -12,8 +12,8 @@ already applied by the caller: `query` is L2-normalised and scaled by `key_dim *
 value heads.
 
 The chunked form turns the per-token recurrence into matmuls inside chunks of 64 tokens
-(the "UT transform": a unit lower-triangular solve replaces the chain of delta updates) and
-a `lax.scan` carries the state from chunk to chunk, so memory is linear in the length.
+(the "UT transform": the inverse of a unit lower-triangular matrix replaces the chain of delta
+updates) and a `lax.scan` carries the state from chunk to chunk, so memory is linear in the length.
 """
 
 from __future__ import annotations
@@ -35,6 +35,24 @@ def _zero_state(key: jax.Array, value: jax.Array) -> jax.Array:
     batch, _, _, key_dim = key.shape
     _, _, num_value_heads, value_dim = value.shape
     return jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+
+
+def unit_lower_inverse(strictly_lower: jax.Array) -> jax.Array:
+    """(I + N)^-1 for strictly lower-triangular N [..., c, c], by matmuls only.
+
+    N is nilpotent (N^c = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(c/2)):
+    log2(c) batched matmuls instead of a triangular solve (whose LAPACK custom call on XLA:CPU
+    deadlocked inside parallel regions here, and which is slow on accelerators).
+    """
+    size = strictly_lower.shape[-1]
+    identity = jnp.eye(size, dtype=strictly_lower.dtype)
+    inverse, power = identity - strictly_lower, strictly_lower
+    reach = 2
+    while reach < size:
+        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_EXACT)
+        inverse = jnp.einsum("...ij,...jk->...ik", inverse, identity + power, precision=_EXACT)
+        reach *= 2
+    return inverse
 
 
 def chunked_gated_delta_rule(
@@ -79,9 +97,8 @@ def chunked_gated_delta_rule(
     key_beta = key * beta[..., None]
     value_beta = value * beta[..., None]
     interactions = jnp.einsum("bhnid,bhnjd->bhnij", key_beta, key, precision=_EXACT) * pairwise_decay
-    unit_lower = jnp.where(strictly_causal, interactions, 0.0) + jnp.eye(chunk_size, dtype=jnp.float32)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(jnp.where(strictly_causal, interactions, 0.0))  # (I + A)^-1
+    solve = lambda rhs: jnp.einsum("bhnij,bhnjd->bhnid", inverse, rhs, precision=_EXACT)
     new_values = solve(value_beta)                                   # [b, h, n, c, value_dim]
     decayed_keys = solve(key_beta * jnp.exp(cumulative)[..., None])  # [b, h, n, c, key_dim]
 

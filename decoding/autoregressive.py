@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from clover_jax.chunked import causal_pass
 from clover_jax.model import CloverTransformer
 from clover_jax.state import empty_state
 from decoding.controls import Controls, TokenIds, choose, process
@@ -22,6 +23,7 @@ class AutoregressiveSpec(NamedTuple):
     prompt_length: int   # left-padded prompt length
     max_new_tokens: int  # buffer length (bucketed)
     do_sample: bool
+    chunk_size: int      # tokens per causal pass of the prefill
 
 
 class AutoregressiveState(NamedTuple):
@@ -44,8 +46,8 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
     vocab = module.config.vocab_size
     call = functools.partial(module.apply, {"params": params})
     model_state = empty_state(module.config, batch, spec.prompt_length + spec.max_new_tokens, module.dtype, start)
-    out = call(prompt_ids, model_state, spec.prompt_length, spec.prompt_length - 1)
-    initial = AutoregressiveState(out.state, out.logits[:, 0], jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
+    last_logits, model_state = causal_pass(module, params, prompt_ids, model_state, spec.chunk_size, "last")
+    initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
                                   jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),
                                   jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32), jnp.int32(0))
 

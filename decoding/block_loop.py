@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from clover_jax.chunked import causal_pass
 from clover_jax.model import CloverTransformer
 from clover_jax.state import ModelState, empty_state
 from decoding.controls import Controls, TokenIds, choose, process
@@ -35,6 +36,7 @@ class LoopSpec(NamedTuple):
     knobs: ScheduleKnobs
     coreset: bool
     report_blocks: bool   # call the host once per decided block (streaming, progress)
+    chunk_size: int       # tokens per causal pass of the prefill
 
 
 class Request(NamedTuple):
@@ -93,8 +95,7 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
     model_state = empty_state(module.config, batch, capacity, module.dtype, request.start)
     call = functools.partial(module.apply, {"params": params})
     if spec.prefix_blocks:
-        model_state = call(request.prefix_ids, model_state, spec.prefix_blocks * size,
-                           spec.prefix_blocks * size).state
+        _, model_state = causal_pass(module, params, request.prefix_ids, model_state, spec.chunk_size)
 
     rows = jnp.arange(size)
     initial = LoopState(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from clover_jax import memory
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
@@ -217,9 +218,10 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max())), config.steps_cap, config.do_sample,
                     resolve(config.schedule),
                     ScheduleKnobs(config.tokens_per_step, config.margin_threshold, config.entropy_bound),
-                    _coreset(model, config), call_id != 0)
+                    _coreset(model, config), call_id != 0, model.chunk_size)
 
     prefix_length = prefix_bucket * size
+    _check_memory(model, len(prompts), prefix_length + spec.max_blocks * size, size)
     prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
     first_block = np.full((len(prompts), size), config.mask_token_id, np.int32)
     start = np.zeros(len(prompts), np.int32)
@@ -257,6 +259,12 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     return output
 
 
+def _check_memory(model, batch: int, capacity: int, block_size: int) -> None:
+    """Refuse, before compiling, a request whose state and activations do not fit the device."""
+    needed = memory.estimate_memory(model.config, batch, capacity, model.dtype, model.chunk_size, block_size)
+    memory.check_fits(needed, already_placed=needed.parameters)
+
+
 def _coreset(model, config: GenerationConfig) -> bool:
     return model.config.moe_block_coreset_enabled if config.coreset is None else bool(config.coreset)
 
@@ -265,7 +273,8 @@ def _coreset(model, config: GenerationConfig) -> bool:
 def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking) -> GenerateOutput:
     lengths = np.array([len(p) for p in prompts])
     prompt_length = max(8, bucket(int(lengths.max())))
-    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens), config.do_sample)
+    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens), config.do_sample, model.chunk_size)
+    _check_memory(model, len(prompts), prompt_length + spec.max_new_tokens, 1)
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt

@@ -19,6 +19,7 @@ import clover_jax.clover_model as clover_model_module
 def test_bad_input_ids_are_refused_before_compute(clover_model, monkeypatch, ids, message):
     calls = []
     monkeypatch.setattr(clover_model_module, "run_pass", lambda *args: calls.append(args))
+    monkeypatch.setattr(clover_model_module, "run_causal", lambda *args: calls.append(args))
     with pytest.raises(ValueError, match=message):
         clover_model.forward(ids)
     assert calls == []

@@ -44,3 +44,12 @@ def test_chunked_rule_equals_recurrent_step(length, with_state):
         initial_state=as_torch(initial) if with_state else None, output_final_state=True)
     np.testing.assert_allclose(chunked_out, reference_out.numpy(), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(chunked_state, reference_state.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [5, 64])
+def test_unit_lower_inverse_by_matmuls_equals_the_matrix_inverse(size):
+    from clover_jax.gated_delta import unit_lower_inverse
+
+    strictly_lower = np.tril(np.random.RandomState(size).uniform(-0.2, 0.2, (3, size, size)), -1).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + strictly_lower.astype(np.float64))
+    np.testing.assert_allclose(unit_lower_inverse(jnp.asarray(strictly_lower)), expected, atol=1e-3, rtol=1e-4)
