@@ -120,9 +120,3 @@ def param_shapes(config: CloverConfig, dtype) -> Params:
     ids = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: module.init(jax.random.key(0), ids, empty_state(config, 1, 1, dtype)))["params"]
 
-
-def init_params(config: CloverConfig, dtype, seed: int = 0) -> Params:
-    """Random parameters (for tests and benchmarks on random weights)."""
-    module = CloverTransformer(config, dtype)
-    ids = jnp.zeros((1, 1), jnp.int32)
-    return jax.jit(lambda: module.init(jax.random.key(seed), ids, empty_state(config, 1, 1, dtype)))()["params"]
