@@ -5,8 +5,9 @@ causal prefix and its prompt tail opens the first decoded block; sequences are l
 whole blocks so that their first decoded blocks line up. Prompt alignment: every prompt is
 the whole prefix, left-padded so that all prompts end at the same cache row.
 
-Compilation is reused across calls by bucketing (policy): the prefix length in blocks and the
-number of decoded blocks are rounded up to powers of two, so prompts and `max_new_tokens`
+Compilation is reused across calls by bucketing (policy): the prefix length and the number of
+decoded positions are rounded up to powers of two while they are at most one prefill chunk
+(2048 tokens by default), and to whole chunks beyond, so prompts and `max_new_tokens`
 that land in the same buckets — at the same batch size and block size — share one compiled
 loop. Extra padding is masked out (RoPE positions count from each sequence's first token), and
 extra blocks are never run: the loop stops when every sequence is finished. Numeric controls
@@ -55,9 +56,13 @@ class GenerateOutput:
     trajectory: list[dict[str, list]] | None = None
 
 
-def bucket(count: int) -> int:
-    """0 stays 0; otherwise the next power of two."""
-    return 0 if count == 0 else 1 << (count - 1).bit_length()
+def bucket(count: int, step: int) -> int:
+    """0 stays 0; up to `step`, the next power of two; beyond, the next multiple of `step`
+    (so padding never costs more than one chunk of extra prefill on a long prompt)."""
+    if count <= 0:
+        return 0
+    power = 1 << (count - 1).bit_length()
+    return power if count <= step else min(power, -(-count // step) * step)
 
 
 def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
@@ -214,8 +219,10 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
         prefix_blocks = -(-lengths // size)  # whole prompts, padded to blocks
         tails = np.zeros_like(lengths)
         blocks_needed = np.full_like(lengths, -(-new // size))
-    prefix_bucket = bucket(int(prefix_blocks.max()))
-    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max())), config.steps_cap, config.do_sample,
+    chunk_blocks = max(1, model.chunk_size // size)
+    prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
+    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
+                    config.do_sample,
                     resolve(config.schedule),
                     ScheduleKnobs(config.tokens_per_step, config.margin_threshold, config.entropy_bound),
                     _coreset(model, config), call_id != 0, model.chunk_size)
@@ -272,8 +279,9 @@ def _coreset(model, config: GenerationConfig) -> bool:
 # ---------------------------------------------------------------------- autoregressive
 def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking) -> GenerateOutput:
     lengths = np.array([len(p) for p in prompts])
-    prompt_length = max(8, bucket(int(lengths.max())))
-    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens), config.do_sample, model.chunk_size)
+    prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
+    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), config.do_sample,
+                              model.chunk_size)
     _check_memory(model, len(prompts), prompt_length + spec.max_new_tokens, 1)
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):

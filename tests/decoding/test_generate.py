@@ -146,3 +146,9 @@ def test_on_block_streams_each_decided_block_once(peaked, controls_config):
         assert numbers == sorted(set(numbers)) and len(numbers) == len(out.steps_per_block[index])
         streamed = [token for _, tokens in seen[index] for token in tokens]
         assert streamed[:len(out.sequences[index])] == out.sequences[index]
+
+
+def test_bucket_policy_is_powers_of_two_then_whole_chunks():
+    from decoding.generation import bucket
+
+    assert [bucket(n, 64) for n in (0, 1, 3, 5, 64, 65, 129, 2049)] == [0, 1, 4, 8, 64, 128, 192, 2112]
