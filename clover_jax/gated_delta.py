@@ -26,15 +26,16 @@ CHUNK_SIZE = 64
 _EXACT = jax.lax.Precision.HIGHEST  # the recurrent state stays float32 on TPU too
 
 
-def _repeat_key_heads(x: jax.Array, num_value_heads: int) -> jax.Array:
-    """[batch, tokens, key_heads, dim] -> [batch, tokens, value_heads, dim], consecutive sharing."""
-    return jnp.repeat(x, num_value_heads // x.shape[2], axis=2)
-
-
-def _zero_state(key: jax.Array, value: jax.Array) -> jax.Array:
+def _float32_inputs(query, key, value, decay, beta, initial_state):
+    """Key heads repeated to the consecutive value heads they serve, everything float32, and the
+    initial state (zeros when None): the common preamble of both forms of the rule."""
     batch, _, _, key_dim = key.shape
     _, _, num_value_heads, value_dim = value.shape
-    return jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    repeat = lambda x: jnp.repeat(x, num_value_heads // x.shape[2], axis=2).astype(jnp.float32)
+    state = (jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    as_float = lambda x: x.astype(jnp.float32)
+    return repeat(query), repeat(key), as_float(value), as_float(decay), as_float(beta), state
 
 
 def unit_lower_inverse(strictly_lower: jax.Array) -> jax.Array:
@@ -74,11 +75,7 @@ def chunked_gated_delta_rule(
     returns (float32 [batch, tokens, value_heads, value_dim], float32 final state)
     """
     num_tokens = key.shape[1]
-    num_value_heads = value.shape[2]
-    state = _zero_state(key, value) if initial_state is None else initial_state.astype(jnp.float32)
-
-    query, key = (_repeat_key_heads(x, num_value_heads).astype(jnp.float32) for x in (query, key))
-    value, decay, beta = (x.astype(jnp.float32) for x in (value, decay, beta))
+    query, key, value, decay, beta, state = _float32_inputs(query, key, value, decay, beta, initial_state)
 
     # Zero padding is inert: g = 0 keeps the state, beta = 0 and k = 0 write nothing.
     pad = (-num_tokens) % chunk_size
@@ -148,10 +145,8 @@ def recurrent_gated_delta_rule(
     initial_state: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Token-by-token form; same arguments and results as :func:`chunked_gated_delta_rule`."""
-    num_value_heads = value.shape[2]
-    state = _zero_state(key, value) if initial_state is None else initial_state.astype(jnp.float32)
-    query, key = (_repeat_key_heads(x, num_value_heads).astype(jnp.float32) for x in (query, key))
-    token_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+    query, key, value, decay, beta, state = _float32_inputs(query, key, value, decay, beta, initial_state)
+    token_major = lambda x: jnp.moveaxis(x, 1, 0)
     step = lambda state, token: recurrent_gated_delta_step(state, *token)
     state, out = jax.lax.scan(step, state, tuple(map(token_major, (query, key, value, decay, beta))))
     return jnp.moveaxis(out, 0, 1), state

@@ -49,12 +49,16 @@ def _most(scores: jax.Array, eligible: jax.Array) -> jax.Array:
     return (jnp.arange(scores.shape[0]) == best) & jnp.any(eligible)
 
 
+def _above_or_best(step: StepView, scores: jax.Array, threshold) -> jax.Array:
+    """Decide every mask whose score exceeds `threshold`; if none does, the best one."""
+    masked = ~step.decided
+    fill = masked & (scores > threshold)
+    return step.decided | jnp.where(jnp.any(fill), fill, _most(scores, masked))
+
+
 def low_confidence(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
     """Spec §4: fill every mask with confidence > threshold; if none, the most confident one."""
-    masked = ~step.decided
-    fill = masked & (step.confidence > step.threshold)
-    fill = jnp.where(jnp.any(fill), fill, _most(step.confidence, masked))
-    return step.decided | fill
+    return _above_or_best(step, step.confidence, step.threshold)
 
 
 def fixed_k(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
@@ -67,10 +71,7 @@ def fixed_k(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
 
 def margin(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
     """Fill masks whose top-1 minus top-2 probability exceeds `margin_threshold`; else the widest."""
-    masked = ~step.decided
-    fill = masked & (step.margin > knobs.margin_threshold)
-    fill = jnp.where(jnp.any(fill), fill, _most(step.margin, masked))
-    return step.decided | fill
+    return _above_or_best(step, step.margin, knobs.margin_threshold)
 
 
 def entropy_bounded(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
