@@ -2,5 +2,7 @@
 
 from clover_jax.clover_model import CloverModel
 from clover_jax.config import CloverConfig, ConfigError
+from clover_jax.kernels import choose_kernels
+from clover_jax.sharding import MeshPlan, ShardingRules, make_mesh
 
-__all__ = ["CloverModel", "CloverConfig", "ConfigError"]
+__all__ = ["CloverModel", "CloverConfig", "ConfigError", "MeshPlan", "ShardingRules", "choose_kernels", "make_mesh"]

@@ -18,6 +18,8 @@ from einops import rearrange
 from flax import linen as nn
 
 from clover_jax.config import CloverConfig
+from clover_jax.fused_attention import fused_attention
+from clover_jax.kernels import KernelChoice
 from clover_jax.layers import Linear, RMSNorm
 from clover_jax.online_attention import KEY_BLOCK, KeySegment, online_attention
 from clover_jax.rope import apply_partial_rope, rope_angles
@@ -29,6 +31,7 @@ class GatedAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0  # leading rows that are causal and appended; the rest form a block
     key_block: int = KEY_BLOCK  # keys reduced at a time by the online softmax
+    kernels: KernelChoice = KernelChoice()
 
     @nn.compact
     def __call__(self, x: jax.Array, cache: KVCache, rows: Rows) -> tuple[jax.Array, KVCache]:
@@ -63,6 +66,9 @@ class GatedAttention(nn.Module):
         if x.shape[1] > causal:
             block_allowed = lambda index: jnp.broadcast_to(~is_causal_row, (x.shape[0], x.shape[1], index.shape[0]))
             segments.append(KeySegment(key[:, causal:], value[:, causal:], block_allowed, x.shape[1]))
-        out = online_attention(query, segments, self.key_block)
+        if self.kernels.attention == "fused":
+            out = fused_attention(query, segments, self.kernels.platform)
+        else:
+            out = online_attention(query, segments, self.key_block)
         out = rearrange(out, "b t h d -> b t (h d)") * jax.nn.sigmoid(rearrange(gate, "b t h d -> b t (h d)"))
         return Linear(config.hidden_size, self.dtype, name="o_proj")(out), cache

@@ -19,7 +19,9 @@ import numpy as np
 
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
+from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput
+from clover_jax.sharding import MeshPlan, ShardingRules
 from clover_jax.state import ModelState, empty_state
 
 logger = logging.getLogger(__name__)
@@ -53,13 +55,15 @@ class CloverModel:
     """
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK):
+                 chunk_size: int = DEFAULT_CHUNK, plan: MeshPlan | None = None, impl: str = "auto"):
         self.config = config
         self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (spec §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
         self.params = params
         self.dtype = jnp.dtype(dtype)
-        self.module = CloverTransformer(config, self.dtype)
+        self.plan = plan  # mesh and sharding rules; None: one device
+        self.kernels = choose_kernels(impl)
+        self.module = CloverTransformer(config, self.dtype, self.kernels, plan)
 
     @classmethod
     def from_pretrained(
@@ -71,33 +75,47 @@ class CloverModel:
         strict: bool = False,
         progress: bool = True,
         chunk_size: int = DEFAULT_CHUNK,
+        rules: ShardingRules | None = None,
+        impl: str = "auto",
     ) -> "CloverModel":
-        """Load a Hugging Face layout checkpoint directory.
+        """Load a Hugging Face layout checkpoint directory, or an Orbax directory written by
+        `weights.convert_to_orbax` (restored straight into the mesh's shardings).
 
         dtype: parameter and activation dtype; None keeps the checkpoint's (e.g. bfloat16).
-        mesh: place every parameter replicated on this mesh (None: the default device).
+        mesh: a (data, expert, tensor) mesh (`clover_jax.make_mesh`); each parameter is placed
+            with the sharding `rules` give it, every device reading only its own slice
+            (None: the default device).
+        rules: logical axis -> mesh axis (`clover_jax.ShardingRules`; default: batch over data,
+            experts over expert, heads / shared-expert / vocab over tensor).
+        impl: "auto", "pallas" or "xla" — which kernels run (`clover_jax.kernels`).
         name_map: checkpoint tensor name -> expected name, for checkpoints whose names differ.
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
             the spec §2 defaults for them.
         chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
         """
-        from weights.loader import load_params  # weights depends on clover_jax, not the reverse
+        from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
 
         config = CloverConfig.from_pretrained(path)
-        sharding_for = None
-        if mesh is not None:
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            sharding_for = lambda path, shape: replicated
-        params, report = load_params(path, config, dtype=dtype, name_map=name_map,
-                                     sharding_for=sharding_for, progress=progress, strict=strict)
-        return cls(config, params, report.dtype, os.fspath(path), chunk_size)
+        choose_kernels(impl)  # a bad impl is refused before reading weights
+        plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
+        sharding_for = None if plan is None else plan.param_sharding
+        if orbax_checkpoint.is_orbax_checkpoint(path):
+            if name_map:
+                raise ValueError("name_map applies to safetensors checkpoints; an Orbax directory (from "
+                                 "weights.convert_to_orbax) already holds the parameters under their own names")
+            params, report = orbax_checkpoint.load_orbax_params(path, config, sharding_for=sharding_for, dtype=dtype,
+                                                                progress=progress)
+        else:
+            params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
+                                                sharding_for=sharding_for, progress=progress, strict=strict)
+        return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
         """Causal logits (spec §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
         ids = self.check_token_ids(input_ids, "input_ids")
         state = self.init_state(ids.shape[0], ids.shape[1])
-        return run_causal(self.module, self.params, jnp.asarray(ids), state, self.chunk_size, "all")[0]
+        return run_causal(self.module, self.params, self.place_batch(ids), state, self.chunk_size, "all")[0]
 
     def init_state(self, batch: int, capacity: int, start=None) -> ModelState:
         """An empty prefix state holding up to `capacity` rows; `start` (int [batch]) marks left padding."""
@@ -106,6 +124,11 @@ class CloverModel:
         if capacity > self.config.max_position_embeddings:
             raise ValueError(f"capacity {capacity} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
+        if self.plan is not None:
+            self.plan.spec(("batch",), batch)  # refuses a batch the data axis cannot split
+            return jax.jit(lambda: empty_state(self.config, batch, capacity, self.dtype, start),
+                           out_shardings=self.plan.state_shardings(
+                               jax.eval_shape(lambda: empty_state(self.config, batch, capacity, self.dtype))))()
         return empty_state(self.config, batch, capacity, self.dtype, start)
 
     def extend(self, state: ModelState, token_ids, logits: str = "last") -> tuple[jax.Array | None, ModelState]:
@@ -118,7 +141,7 @@ class CloverModel:
         self._check_room(state, ids.shape[1])
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-        return run_causal(self.module, self.params, jnp.asarray(ids), state, self.chunk_size, logits)
+        return run_causal(self.module, self.params, self.place_batch(ids), state, self.chunk_size, logits)
 
     # ------------------------------------------------------------------ block mode
     def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,
@@ -166,8 +189,15 @@ class CloverModel:
     # ------------------------------------------------------------------ helpers
     def _run(self, ids: np.ndarray, state: ModelState, num_causal: int, logits_from: int,
              coreset: bool = False, coreset_top_p: float = 1.0) -> PassOutput:
-        return run_pass(self.module, self.params, jnp.asarray(ids), state, num_causal, logits_from, coreset,
+        return run_pass(self.module, self.params, self.place_batch(ids), state, num_causal, logits_from, coreset,
                         jnp.float32(coreset_top_p))
+
+    def place_batch(self, array) -> jax.Array:
+        """A host [batch, ...] array on the device(s): split over the data axis on a mesh."""
+        if self.plan is None:
+            return jnp.asarray(array)
+        array = np.asarray(array)
+        return jax.device_put(array, self.plan.batch_sharding(array.shape[0], array.ndim))
 
     def _coreset(self, enabled: bool | None, top_p: float | None) -> dict:
         enabled = self.config.moe_block_coreset_enabled if enabled is None else bool(enabled)

@@ -1,5 +1,15 @@
 """Routed experts as a grouped computation whose cost follows tokens × top-k.
 
+Two implementations of one function, chosen by `KernelChoice.moe`:
+
+* "xla" (`routed_expert_mlp`, below);
+* "pallas" (`grouped_expert_mlp`): the pairs sorted by expert go through two grouped matmuls
+  (`pallas_kernels.grouped_matmul_for_platform`: megablox `gmm` on TPU, our Pallas kernel on
+  GPU, interpret mode on CPU); experts that no pair uses get no work tiles, so their weights are
+  never read — with the block coreset, a denoising step reads only the coreset's experts.
+
+The XLA form:
+
 The (token, choice) pairs are sorted by expert, packed into row tiles that each belong to one
 expert, and a `lax.scan` runs the expert MLP tile by tile with that expert's weights. Tiles past
 the ones in use are skipped with `lax.cond`, so work is proportional to the routed pairs, not
@@ -15,6 +25,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import grouped_matmul_for_platform
 
 
 def tile_rows_for(num_pairs: int, num_experts: int) -> int:
@@ -33,6 +45,8 @@ def routed_expert_mlp(
     """Σ_choices weight · down(silu(gate(x)) * up(x)) of each token's chosen experts.
 
     tokens: [tokens, hidden]; expert_ids: int [tokens, top_k]; expert_weights: [tokens, top_k]
+    (an id >= experts means "not held here": the pair is dropped, as an expert-parallel shard
+    does with the pairs routed to other shards)
     gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
     (the checkpoint's `[out, in]` layout, so loading is a contiguous copy)
     returns [tokens, hidden] in the dtype of `tokens`
@@ -56,10 +70,13 @@ def routed_expert_mlp(
     # Each pair's row in the tiled layout: its group's first tile, then its rank in the group.
     rank_in_group = jnp.arange(num_pairs) - group_starts[sorted_experts]
     padded_rows = (tile_ends - tiles_per_group)[sorted_experts] * tile_rows + rank_in_group
+    dropped = max_tiles * tile_rows  # an index past the tiled rows: scatters drop it, gathers fill 0
+    padded_rows = jnp.where(sorted_experts < num_experts, padded_rows, dropped)
     tile_experts = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(max_tiles), side="right"), num_experts - 1)
 
     hidden = tokens.shape[-1]
-    packed = jnp.zeros((max_tiles * tile_rows, hidden), tokens.dtype).at[padded_rows].set(tokens[sorted_tokens])
+    packed = jnp.zeros((max_tiles * tile_rows, hidden), tokens.dtype).at[padded_rows].set(
+        tokens[sorted_tokens], mode="drop")
     packed = packed.reshape(max_tiles, tile_rows, hidden)
 
     def expert_mlp(rows, expert):
@@ -72,7 +89,32 @@ def routed_expert_mlp(
         return None, out
 
     _, outputs = jax.lax.scan(run_tile, None, (jnp.arange(max_tiles), packed, tile_experts))
-    pair_outputs = outputs.reshape(max_tiles * tile_rows, hidden)[padded_rows]
+    pair_outputs = outputs.reshape(max_tiles * tile_rows, hidden).at[padded_rows].get(mode="fill", fill_value=0)
     pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
     weighted = pair_outputs * pair_weights[:, None]
     return jnp.zeros_like(tokens).at[sorted_tokens].add(weighted)
+
+
+def grouped_expert_mlp(
+    tokens: jax.Array,
+    expert_ids: jax.Array,
+    expert_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    platform: str,
+) -> jax.Array:
+    """`routed_expert_mlp` (same arguments and result) through grouped-matmul kernels for `platform`
+    ("cpu": the Pallas kernel in interpret mode, for parity tests; "gpu"; "tpu")."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up_proj.shape[0]
+    flat_experts = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts sort last, past every group
+    sorted_tokens = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    matmul = lambda rows, weights: grouped_matmul_for_platform(
+        "cuda" if platform == "gpu" else platform, rows, weights, group_sizes,
+        kernel="pallas" if platform == "cpu" else "auto", interpret=platform == "cpu")
+    gate, up = jnp.split(matmul(tokens[sorted_tokens], gate_up_proj), 2, axis=-1)
+    pair_outputs = matmul(jax.nn.silu(gate) * up, down_proj)  # rows of dropped pairs are 0
+    pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
+    return jnp.zeros_like(tokens).at[sorted_tokens].add(pair_outputs * pair_weights[:, None])

@@ -20,6 +20,7 @@ those rows, so a commit and the next block's first denoising step are one call.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -29,8 +30,10 @@ from flax import linen as nn
 
 from clover_jax.config import CloverConfig
 from clover_jax.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from clover_jax.kernels import KernelChoice
 from clover_jax.layers import GatedRMSNorm, Linear, l2_normalize
 from clover_jax.state import GDNState, Rows
+from pallas_kernels import gdn_chunk
 
 
 def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -84,6 +87,7 @@ class GatedDeltaNet(nn.Module):
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
+    kernels: KernelChoice = KernelChoice()
 
     @nn.compact
     def __call__(self, x: jax.Array, state: GDNState, rows: Rows) -> tuple[jax.Array, GDNState]:
@@ -121,7 +125,12 @@ class GatedDeltaNet(nn.Module):
             beta = jax.nn.sigmoid(beta_logit[:, :causal])
             decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
                 decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
-            rule = recurrent_gated_delta_rule if causal == 1 else chunked_gated_delta_rule
+            if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
+                rule = recurrent_gated_delta_rule
+            elif self.kernels.gdn == "pallas":
+                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret)
+            else:
+                rule = chunked_gated_delta_rule
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)

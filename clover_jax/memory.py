@@ -59,8 +59,8 @@ def estimate_memory(config: CloverConfig, batch: int, context_length: int, dtype
 
 
 def available_bytes(device: jax.Device | None = None) -> int | None:
-    """Free memory of `device` (default: the first), or None when the platform does not say."""
-    device = device or jax.devices()[0]
+    """Free memory of `device` (default: this process's first), or None when the platform does not say."""
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
@@ -73,11 +73,15 @@ def available_bytes(device: jax.Device | None = None) -> int | None:
     return None
 
 
-def check_fits(needed: MemoryEstimate, already_placed: int = 0, device: jax.Device | None = None) -> None:
-    """Raise ValueError when the request's memory beyond `already_placed` bytes exceeds what is free."""
+def check_fits(needed: MemoryEstimate, already_placed: int = 0, device: jax.Device | None = None,
+               split: int = 1) -> None:
+    """Raise ValueError when the request's memory beyond `already_placed` bytes exceeds what is free.
+
+    split: devices that share the state and activations (the mesh's data axis).
+    """
     free = available_bytes(device)
-    extra = needed.total - already_placed
+    extra = (needed.total - already_placed) / split
     if free is not None and extra > free:
         raise ValueError(f"this request needs about {needed.describe()}; {extra / 1e9:.2f} GB more than the "
                          f"parameters already placed, but only {free / 1e9:.2f} GB are free on "
-                         f"{device or jax.devices()[0]}. Use a shorter context, a smaller batch, or more devices.")
+                         f"{device or jax.local_devices()[0]}. Use a shorter context, a smaller batch, or more devices.")

@@ -22,8 +22,10 @@ from flax import linen as nn
 from clover_jax.attention import GatedAttention
 from clover_jax.config import CloverConfig
 from clover_jax.gdn import GatedDeltaNet
+from clover_jax.kernels import KernelChoice
 from clover_jax.layers import RMSNorm, default_init
 from clover_jax.moe import SparseMoE
+from clover_jax.sharding import MeshPlan, constrain_batch
 from clover_jax.state import ModelState, Rows, empty_state, rows_for, slot_name
 
 Params = dict[str, Any]
@@ -44,6 +46,8 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0
     coreset: bool = False
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
 
     @nn.compact
     def __call__(self, hidden: jax.Array, state: Any, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
@@ -52,11 +56,11 @@ class DecoderLayer(nn.Module):
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, name=name)(mixed, state, rows)
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, name=name)(mixed, state, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, name="mlp")(
-            feed_forward, coreset_top_p)
+        feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
+                                           self.plan, name="mlp")(feed_forward, coreset_top_p)
         return hidden + feed_forward, state, distinct
 
 
@@ -67,21 +71,29 @@ class LayerGroup(nn.Module):
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0
     coreset: bool = False
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
 
     @nn.compact
     def __call__(self, hidden: jax.Array, group_state: dict, rows: Rows, coreset_top_p):
         new_state, distinct = {}, []
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
-            layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, name=name)
+            layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, self.kernels,
+                                 self.plan, name=name)
             hidden, new_state[name], layer_distinct = layer(hidden, group_state[name], rows, coreset_top_p)
             distinct.append(layer_distinct)
         return hidden, (new_state, jnp.stack(distinct))
 
 
 class CloverTransformer(nn.Module):
+    """kernels: which implementation runs attention, the GDN rule and the routed experts
+    (`clover_jax.kernels.choose_kernels`); plan: the mesh and sharding rules, or None on one device."""
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
@@ -98,10 +110,11 @@ class CloverTransformer(nn.Module):
         rows = rows_for(state, num_tokens)
         embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=default_init, name="embed_tokens")
-        hidden = embed(input_ids)
+        hidden = constrain_batch(embed(input_ids), self.plan)
         groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
-        hidden, (layers, distinct) = groups(config, self.dtype, num_causal, coreset, name="groups")(
+        hidden, (layers, distinct) = groups(config, self.dtype, num_causal, coreset, self.kernels, self.plan,
+                                            name="groups")(
             hidden, state.layers, rows, coreset_top_p)
         hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden[:, logits_from:])
         if config.tie_word_embeddings:

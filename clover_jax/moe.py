@@ -6,6 +6,14 @@ routed experts `down(silu(gate(x)) * up(x))`; a shared expert scaled by
 
 Causal rows always route plainly; block rows (a denoising forward) route within the block's
 coreset (spec §5) when it is enabled. All rows then share one grouped expert computation.
+
+On a mesh whose expert axis has more than one device, the routed experts are expert-parallel:
+inside `shard_map` each device runs the pairs routed to its own experts and a `psum` over the
+expert axis adds the partial outputs. The rows are replicated over the expert axis (attention
+and GDN run there anyway), so a psum of [rows, hidden] is the only collective; an all-to-all
+dispatch pays off only when the rows are themselves split over the expert axis and many — in
+decoding a step holds one block of rows per sequence, and the psum moves `rows × hidden`
+values where an all-to-all would move `rows × top_k × hidden` twice.
 """
 
 from __future__ import annotations
@@ -13,17 +21,45 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import PartitionSpec
 
 from clover_jax.config import CloverConfig
 from clover_jax.coreset import coreset_mask, distinct_experts, route_within
-from clover_jax.expert_dispatch import routed_expert_mlp
+from clover_jax.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
+from clover_jax.kernels import KernelChoice
 from clover_jax.layers import Linear, default_init
+from clover_jax.sharding import MeshPlan
 
 
 def route_top_k(probabilities: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """Router probabilities float32 [..., experts] -> (expert ids int [..., top_k], weights summing to 1)."""
     weights, expert_ids = jax.lax.top_k(probabilities, top_k)
     return expert_ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
+    """The routed experts with the implementation `kernels.moe` names (arguments of `routed_expert_mlp`)."""
+    if kernels.moe == "pallas":
+        return grouped_expert_mlp(*args, kernels.platform)
+    return routed_expert_mlp(*args)
+
+
+def expert_parallel_mlp(kernels: KernelChoice, plan: MeshPlan, tokens: jax.Array, expert_ids: jax.Array,
+                        expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """`expert_mlp` with the experts split over the mesh's expert axis (same arguments)."""
+    expert_axis = plan.rules.experts
+    data_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 else None
+    rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
+
+    def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+        num_local = gate_up_proj.shape[0]
+        local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
+        local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
+        partial = expert_mlp(kernels, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
+        return jax.lax.psum(partial, expert_axis)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows)(
+        tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
 
 
 class SharedExpert(nn.Module):
@@ -43,6 +79,8 @@ class SparseMoE(nn.Module):
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0   # leading rows routed plainly; the rest are a block
     coreset: bool = False  # route the block rows within their coreset
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, coreset_top_p: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -71,8 +109,11 @@ class SparseMoE(nn.Module):
         down_proj = self.param("experts_down_proj", default_init,
                                (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
         tokens = x.reshape(batch * num_tokens, hidden)
-        routed = routed_expert_mlp(tokens, expert_ids.reshape(batch * num_tokens, top_k),
-                                   expert_weights.reshape(batch * num_tokens, top_k), gate_up_proj, down_proj)
+        pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
+        if self.plan is not None and self.plan.axis_size(self.plan.rules.experts) > 1:
+            routed = expert_parallel_mlp(self.kernels, self.plan, tokens, *pairs, gate_up_proj, down_proj)
+        else:
+            routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
 
         shared = SharedExpert(config.shared_expert_intermediate_size, self.dtype, name="shared_expert")(tokens)
         shared_gate = Linear(1, self.dtype, name="shared_expert_gate")(tokens)

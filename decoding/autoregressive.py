@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from clover_jax.chunked import causal_pass
 from clover_jax.model import CloverTransformer
+from clover_jax.sharding import constrain_state
 from clover_jax.state import empty_state
 from decoding.controls import Controls, TokenIds, choose, process
 
@@ -46,6 +47,7 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
     vocab = module.config.vocab_size
     call = functools.partial(module.apply, {"params": params})
     model_state = empty_state(module.config, batch, spec.prompt_length + spec.max_new_tokens, module.dtype, start)
+    model_state = constrain_state(model_state, module.plan)
     last_logits, model_state = causal_pass(module, params, prompt_ids, model_state, spec.chunk_size, "last")
     initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
                                   jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from clover_jax.chunked import causal_pass
 from clover_jax.model import CloverTransformer
+from clover_jax.sharding import constrain_state
 from clover_jax.state import ModelState, empty_state
 from decoding.controls import Controls, TokenIds, choose, process
 from decoding.schedules import ScheduleKnobs, StepView
@@ -93,6 +94,7 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
     vocab = module.config.vocab_size
     capacity = (spec.prefix_blocks + spec.max_blocks) * size
     model_state = empty_state(module.config, batch, capacity, module.dtype, request.start)
+    model_state = constrain_state(model_state, module.plan)
     call = functools.partial(module.apply, {"params": params})
     if spec.prefix_blocks:
         _, model_state = causal_pass(module, params, request.prefix_ids, model_state, spec.chunk_size)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from clover_jax.config import CloverConfig
 from clover_jax.param_layout import flat_layout
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles
-from weights.name_table import (Placement, Source, canonical_sources,
+from weights.name_table import (SQUEEZE_CHANNEL, Placement, Source, canonical_sources,
                                 expected_placements, normalise_prefix)
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,14 @@ def load_params(
             for path, names in by_leaf.items():
                 shape = leaf_shapes[path]
                 _check_leaf_covered(path, shape, [placements[n] for n in names])
+                sharding = sharding_for(path, shape) if sharding_for is not None else None
+                if sharding is not None and len(sharding.device_set) > 1:
+                    array, leaf_bytes = _read_sharded(files, shape, target_dtype, sharding,
+                                                      [(placements[n], sources.get(n)) for n in names])
+                    _set_path(params, path, array)
+                    bytes_read += leaf_bytes
+                    bar.update(leaf_bytes)
+                    continue
                 buffer = _aligned_empty(shape, target_dtype)
                 for canonical in names:
                     region = buffer[placements[canonical].index]
@@ -93,7 +101,6 @@ def load_params(
                     files.read_into(sources[canonical].tensor, sources[canonical].index, region)
                     bytes_read += region.nbytes
                     bar.update(region.nbytes)
-                sharding = sharding_for(path, shape) if sharding_for is not None else None
                 _set_path(params, path, jax.device_put(buffer, sharding))
                 del buffer
     report = LoadReport(str(target_dtype), len(sources), skipped, bytes_read, time.perf_counter() - started)
@@ -182,6 +189,63 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(num_bytes + alignment, np.uint8)
     offset = (-raw.ctypes.data) % alignment
     return raw[offset:offset + num_bytes].view(dtype).reshape(shape)
+
+
+def _read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+                  parts: list[tuple[Placement, Source | None]]) -> tuple[jax.Array, int]:
+    """One parameter placed with `sharding`, each addressable device's slice read on its own
+    (`jax.make_array_from_callback`): no host ever assembles a sharded parameter whole, and a
+    process reads only the slices of its own devices. Devices holding the same slice (replicas)
+    share one read. Returns the array and the bytes read."""
+    reads: dict[tuple, np.ndarray] = {}
+
+    def read_slice(index: tuple) -> np.ndarray:
+        ranges = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
+        if ranges not in reads:
+            reads[ranges] = _read_region(files, ranges, dtype, parts)
+        return reads[ranges]
+
+    array = jax.make_array_from_callback(shape, sharding, read_slice)
+    return array, sum(region.nbytes for region in reads.values())
+
+
+def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dtype: np.dtype,
+                 parts: list[tuple[Placement, Source | None]]) -> np.ndarray:
+    """The part of a parameter inside `ranges` ([start, stop) per axis), from the checkpoint
+    tensors placed in it. A placement fills `param[lead ints][optional slice][...]`."""
+    out = _aligned_empty(tuple(stop - start for start, stop in ranges), dtype)
+    for placement, source in parts:
+        lead = [item for item in placement.index if isinstance(item, int)]
+        if not all(start <= i < stop for i, (start, stop) in zip(lead, ranges)):
+            continue
+        extent = placement.shape if placement.transform != SQUEEZE_CHANNEL else placement.shape[:1] + placement.shape[2:]
+        offset = placement.index[len(lead)].start if len(placement.index) > len(lead) else 0
+        # The region the placement fills, in parameter coordinates, intersected with `ranges`.
+        region = [(offset if axis == 0 else 0, (offset if axis == 0 else 0) + size) for axis, size in enumerate(extent)]
+        wanted = ranges[len(lead):]
+        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, wanted)]
+        if any(low >= high for low, high in overlap):
+            continue
+        destination = tuple(i - start for i, (start, _) in zip(lead, ranges)) + tuple(
+            slice(low - start, high - start) for (low, high), (start, _) in zip(overlap, wanted))
+        within = [slice(low - first, high - first) for (low, high), (first, _) in zip(overlap, region)]
+        if source is None:
+            out[destination] = placement.default
+            continue
+        if placement.transform == SQUEEZE_CHANNEL:
+            within.insert(1, slice(0, 1))
+        out[destination] = files.read(source.tensor, _compose(source.index, within)).reshape(out[destination].shape)
+    return out
+
+
+def _compose(source_index: tuple, within: list[slice]) -> tuple:
+    """`tensor[source_index][within]` as one index into the tensor (source_index: leading ints,
+    then at most one slice, which `within[0]` refines)."""
+    lead = tuple(item for item in source_index if isinstance(item, int))
+    if len(source_index) > len(lead):
+        first = source_index[len(lead)].start or 0
+        within = [slice(first + within[0].start, first + within[0].stop)] + within[1:]
+    return lead + tuple(within)
 
 
 def _check_leaf_covered(path, shape, placements: list[Placement]) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from clover_jax import CloverModel
 from clover_jax.chunked import causal_pass
+from clover_jax.fused_attention import fused_attention
 from clover_jax.online_attention import KeySegment, online_attention
 from clover_jax.state import empty_state
 from decoding import generate
@@ -25,9 +26,10 @@ def plain_attention(query, key, value, allowed):
     return jnp.einsum("bhts,bshd->bthd", weights, value)
 
 
-@pytest.mark.parametrize("key_block", [16, 32, 1024])  # 70 keys: clamped last block, exact blocks, one block
-def test_online_attention_equals_plain_attention_causal_and_block(key_block):
-    rng = np.random.RandomState(key_block)
+def attention_case(seed: int):
+    """Causal rows that end at a filled cache of 50 of 70 rows, then a 4-row block; sequence 1 is
+    left-padded by 9 rows. returns (query, segments, plain-attention result)."""
+    rng = np.random.RandomState(seed)
     batch, capacity, filled, queries, block, heads, kv_heads, dim = 2, 70, 50, 6, 4, 4, 2, 8
     start = jnp.array([0, 9])
     query = jnp.asarray(rng.randn(batch, queries + block, heads, dim), jnp.float32)
@@ -41,12 +43,24 @@ def test_online_attention_equals_plain_attention_causal_and_block(key_block):
         return (index[None, None, :] >= start[:, None, None]) & upto
 
     block_allowed = lambda index: jnp.broadcast_to(~is_causal, (batch, queries + block, index.shape[0]))
-    ours = online_attention(query, [KeySegment(cache_key, cache_value, cache_allowed, filled),
-                                    KeySegment(block_key, block_value, block_allowed, block)], key_block)
+    segments = [KeySegment(cache_key, cache_value, cache_allowed, filled),
+                KeySegment(block_key, block_value, block_allowed, block)]
     allowed = jnp.concatenate([cache_allowed(jnp.arange(capacity)), block_allowed(jnp.arange(block))], axis=-1)
     expected = plain_attention(query, jnp.concatenate([cache_key, block_key], 1),
                                jnp.concatenate([cache_value, block_value], 1), allowed)
-    np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=1e-5)
+    return query, segments, expected
+
+
+@pytest.mark.parametrize("key_block", [16, 32, 1024])  # 70 keys: clamped last block, exact blocks, one block
+def test_online_attention_equals_plain_attention_causal_and_block(key_block):
+    query, segments, expected = attention_case(key_block)
+    np.testing.assert_allclose(online_attention(query, segments, key_block), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_platform_fused_attention_equals_plain_attention_causal_and_block():
+    """The `impl="pallas"` attention path (`jax.nn.dot_product_attention`; its XLA form on CPU)."""
+    query, segments, expected = attention_case(3)
+    np.testing.assert_allclose(fused_attention(query, segments, "cpu"), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("length, chunk", [(63, 64), (64, 64), (65, 64), (130, 64), (100, 32)])

@@ -1,0 +1,24 @@
+"""The platform's fused attention (`jax.nn.dot_product_attention`) over the same key segments as
+`online_attention`, selected by `KernelChoice.attention == "fused"`.
+
+The segments' keys are concatenated and their masks become one boolean mask
+[batch, 1, queries, keys]; on GPU cuDNN runs it as one fused kernel. Queries that may see no
+key get zeros, as in `online_attention` (the XLA implementation would average every value).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.online_attention import KeySegment
+
+
+def fused_attention(query: jax.Array, segments: list[KeySegment], platform: str) -> jax.Array:
+    """query: [batch, queries, heads, head_dim] -> [batch, queries, heads, head_dim]."""
+    key = jnp.concatenate([s.key.astype(query.dtype) for s in segments], axis=1)
+    value = jnp.concatenate([s.value.astype(query.dtype) for s in segments], axis=1)
+    allowed = jnp.concatenate([s.allowed(jnp.arange(s.key.shape[1])) for s in segments], axis=-1)  # [b, q, k]
+    out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None],
+                                       implementation="cudnn" if platform == "gpu" else "xla")
+    return jnp.where(jnp.any(allowed, axis=-1)[..., None, None], out, 0).astype(query.dtype)

@@ -1,0 +1,51 @@
+"""Which implementation runs each hot spot: one switch, `impl="auto" | "pallas" | "xla"`.
+
+| impl     | attention                                   | GDN chunked rule         | routed experts            |
+|----------|---------------------------------------------|--------------------------|---------------------------|
+| "xla"    | online softmax over key blocks (any device) | `gated_delta` (lax.scan) | tiled scan (`expert_dispatch`) |
+| "pallas" | `jax.nn.dot_product_attention` (cuDNN on GPU) | Pallas `gdn_chunk`       | Pallas grouped matmul     |
+| "auto"   | GPU: as "pallas"; TPU and CPU: as "xla" for attention; Pallas kernels on GPU/TPU, XLA on CPU |
+
+Why attention stays on the online-softmax path on TPU: splash/flash attention take static
+(NumPy) masks or segment ids, while a pass's masks depend on the traced prefix length and
+per-sequence start, and the XLA fallback of `jax.nn.dot_product_attention` materialises the
+[queries, keys] scores. On GPU cuDNN's fused attention takes the traced boolean mask.
+
+On CPU "pallas" runs the kernels in interpret mode: slow, for parity tests only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+IMPLS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The resolved choice; hashable, so it can be a static field of the Flax modules."""
+
+    attention: str = "online"  # "online" | "fused"
+    gdn: str = "xla"           # "xla" | "pallas"
+    moe: str = "xla"           # "xla" | "pallas"
+    platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
+
+    @property
+    def interpret(self) -> bool:
+        return self.platform == "cpu"
+
+
+def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelChoice:
+    """Resolve `impl` for `platform` (default: the default backend's)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    platform = platform or jax.default_backend()
+    platform = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"unknown platform {platform!r}; expected cpu, gpu or tpu")
+    if impl == "xla" or (impl == "auto" and platform == "cpu"):
+        return KernelChoice(platform=platform)
+    attention = "fused" if impl == "pallas" or platform == "gpu" else "online"
+    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform)

@@ -1,0 +1,95 @@
+"""Which grouped-matmul kernel to use on a platform, including the ones JAX ships.
+
+* TPU, every group: megablox `gmm` (`jax.experimental.pallas.ops.tpu.megablox`), which takes the
+  [groups, out, in] layout directly (`transpose_rhs=True`) and is JAX's tuned TPU kernel. It
+  leaves rows past Σ group_sizes undefined, so they are zeroed here. It has no "only these
+  groups" form (its `group_offset` selects a contiguous range, for sharded experts), so
+  `active_groups` uses our kernel.
+* GPU: our Triton kernel (`grouped_matmul`). JAX's Hopper kernel
+  (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, TMA + wgmma) is available as
+  `kernel="mosaic_gpu"` but not the default: it is written for a few large groups (the group
+  search is unrolled over all groups in every tile, 256 here), hard-codes 132 SMs and sm_90
+  instructions, needs lhs and rhs of one dtype, leaves rows past the total undefined, has no
+  `active_groups`, and its numbers have not been checked on a GPU in this project yet.
+* CPU: `jax.lax.ragged_dot` through XLA (the oracle); Pallas only interprets on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.grouped_matmul import fit_tile, grouped_matmul
+from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
+
+Kernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
+
+
+def kernel_for(platform: str, kernel: Kernel, has_active_groups: bool) -> str:
+    if kernel != "auto":
+        return kernel
+    if platform == "cpu":
+        return "xla"
+    if platform == "tpu" and not has_active_groups:
+        return "megablox"
+    return "pallas"
+
+
+def _rows_past_total_to_zero(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    keep = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _megablox(lhs, rhs, group_sizes, out_dtype, interpret):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    rows, depth = lhs.shape
+    tile_rows = min(128, max(16, pl.next_power_of_2(rows)))
+    padded = jnp.pad(lhs, [(0, (-rows) % tile_rows), (0, 0)])  # gmm needs whole row tiles
+    tiling = (tile_rows, fit_tile(depth, 512), fit_tile(rhs.shape[1], 512))
+    out = gmm(padded, rhs, group_sizes.astype(jnp.int32), out_dtype, tiling, transpose_rhs=True, interpret=interpret)
+    return _rows_past_total_to_zero(out[:rows], group_sizes)
+
+
+def _mosaic_gpu(lhs, rhs, group_sizes, out_dtype):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"kernel='mosaic_gpu' needs lhs and rhs of one dtype, got {lhs.dtype} and {rhs.dtype}")
+    out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=128,
+                                     block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+    return _rows_past_total_to_zero(out, group_sizes).astype(out_dtype)
+
+
+def grouped_matmul_for_platform(
+    platform: str,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    active_groups: jax.Array | None = None,
+    preferred_element_type: jnp.dtype | None = None,
+    kernel: Kernel = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth]) with the kernel
+    chosen for `platform` ("cpu", "cuda", "rocm", "tpu"; e.g. `jax.default_backend()` or an export
+    target). `interpret` runs the Pallas choices in interpret mode (tests on CPU)."""
+    chosen = kernel_for(platform, kernel, active_groups is not None)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
+        raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")
+    if chosen == "xla":
+        return grouped_matmul_reference(lhs, rhs, group_sizes, active_groups=active_groups,
+                                        preferred_element_type=out_dtype)
+    if chosen == "megablox":
+        return _megablox(lhs, rhs, group_sizes, out_dtype, interpret)
+    if chosen == "mosaic_gpu":
+        return _mosaic_gpu(lhs, rhs, group_sizes, out_dtype)
+    if chosen == "pallas":
+        return grouped_matmul(lhs, rhs, group_sizes, active_groups=active_groups, preferred_element_type=out_dtype,
+                              variant="tpu" if platform == "tpu" else "gpu", interpret=interpret)
+    raise ValueError(f"kernel must be one of auto, pallas, megablox, mosaic_gpu, xla; got {kernel!r}")

@@ -1,0 +1,57 @@
+"""Which compiled form of a kernel runs on which platform.
+
+Each kernel here has two drivers around the same math:
+
+* ``"gpu"``: every program is independent (Triton runs them concurrently), so sequential work
+  (chunks of a recurrence, the contraction dimension of a matmul) is a loop inside the kernel.
+* ``"tpu"``: Mosaic runs the grid in order, so sequential work is a grid axis marked
+  ``"arbitrary"`` and what it carries lives in VMEM; blocks obey the TPU (8, 128) rule.
+
+Both drivers also run in interpret mode on any platform, which is how the tests check the TPU
+driver on a CPU.
+
+The choice is made with `jax.lax.platform_dependent`, i.e. when the computation is lowered for
+a platform, not from `jax.default_backend()` at trace time. So `jax.export` from a CPU host for
+``platforms=["cuda"]`` gets the Triton kernel, and ``interpret=None`` (interpret on CPU,
+compile elsewhere) means the same as "True when the backend is CPU" for ordinary `jax.jit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+Variant = Literal["auto", "gpu", "tpu"]
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def variant_for(platform: str, variant: Variant) -> str:
+    """The driver used on `platform`: the TPU one on TPU, the GPU one elsewhere (CPU included,
+    where it is interpreted), unless a driver is forced."""
+    if variant not in ("auto", "gpu", "tpu"):
+        raise ValueError(f"variant must be 'auto', 'gpu' or 'tpu', got {variant!r}")
+    if variant != "auto":
+        return variant
+    return "tpu" if platform == "tpu" else "gpu"
+
+
+def interpret_for(platform: str, interpret: bool | None) -> bool:
+    """`interpret=None` interprets on CPU only (Pallas has no CPU compiler)."""
+    return platform == "cpu" if interpret is None else bool(interpret)
+
+
+def per_platform(build: Callable[[str, bool], Callable], variant: Variant, interpret: bool | None) -> Callable:
+    """A function that runs `build(variant, interpret)` chosen for the platform it is lowered for.
+
+    `build` returns a function of the kernel's array arguments; it is traced once per distinct
+    (variant, interpret) pair, and only the branch of the lowering platform reaches the compiler.
+    """
+    choices = {platform: (variant_for(platform, variant), interpret_for(platform, interpret))
+               for platform in PLATFORMS}
+    built = {choice: build(*choice) for choice in set(choices.values())}
+    if len(built) == 1:
+        return next(iter(built.values()))
+    return lambda *args: jax.lax.platform_dependent(
+        *args, **{platform: built[choice] for platform, choice in choices.items()})

@@ -1,0 +1,233 @@
+"""Orbax conversion: bit-exact round trip, loading into mesh shardings, atomicity, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from clover_jax.config import CloverConfig
+from tests.conftest import read_config
+from weights import CheckpointError, convert_to_orbax, is_orbax_checkpoint, load_orbax_params, load_params
+from weights import orbax_checkpoint
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def converted(clover_checkpoint, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("orbax") / "clover")
+    convert_to_orbax(clover_checkpoint, out, progress=False)
+    return out
+
+
+def flat(tree) -> dict:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def assert_bit_equal(actual: dict, expected: dict) -> None:
+    actual, expected = flat(actual), flat(expected)
+    assert actual.keys() == expected.keys()
+    for name, leaf in expected.items():
+        assert actual[name].dtype == leaf.dtype, name
+        np.testing.assert_array_equal(np.asarray(actual[name]).view(np.uint8), np.asarray(leaf).view(np.uint8),
+                                      err_msg=name)
+
+
+def load(directory: str, **kwargs):
+    return load_orbax_params(directory, CloverConfig.from_pretrained(directory), progress=False, **kwargs)
+
+
+def test_round_trip_is_bit_equal_to_loading_the_hf_checkpoint(clover_checkpoint, converted):
+    expected, _ = load_params(clover_checkpoint, CloverConfig.from_pretrained(clover_checkpoint), progress=False)
+    params, report = load(converted)
+    assert_bit_equal(params, expected)
+    assert report.dtype == "float32" and report.tensors_read == len(jax.tree.leaves(expected))
+    assert read_config(converted) == read_config(clover_checkpoint)  # self-contained: config copied
+    manifest = orbax_checkpoint.read_manifest(converted)
+    assert manifest.num_parameters == sum(leaf.size for leaf in jax.tree.leaves(expected))
+    assert "model.safetensors" not in os.listdir(converted)
+    assert is_orbax_checkpoint(converted) and not is_orbax_checkpoint(clover_checkpoint)
+    siblings = os.listdir(os.path.dirname(converted))
+    assert siblings == ["clover"], f"temporary directories left behind: {siblings}"
+
+
+def test_dtype_is_cast_while_restoring_like_the_hf_loader(clover_checkpoint, converted):
+    expected, _ = load_params(clover_checkpoint, CloverConfig.from_pretrained(clover_checkpoint),
+                              dtype=ml_dtypes.bfloat16, progress=False)
+    params, report = load(converted, dtype="bfloat16")
+    assert report.dtype == "bfloat16"
+    assert_bit_equal(params, expected)
+
+
+SHARDED_LOAD = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from clover_jax.config import CloverConfig
+    from weights import load_orbax_params, load_params
+
+    orbax_dir, hf_dir = sys.argv[1:]
+    assert jax.device_count() == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+    def sharding_for(path, shape):  # the last axis over "model", the leading axis over "data"
+        spec = [None] * len(shape)
+        if shape[-1] % 4 == 0:
+            spec[-1] = "model"
+        if len(shape) > 1 and shape[0] % 2 == 0:
+            spec[0] = "data"
+        return NamedSharding(mesh, P(*spec))
+
+    config = CloverConfig.from_pretrained(orbax_dir)
+    params, _ = load_orbax_params(orbax_dir, config, sharding_for=sharding_for, progress=False)
+    expected, _ = load_params(hf_dir, config, progress=False)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    split = 0
+    for (path, leaf), reference in zip(leaves, jax.tree.leaves(expected)):
+        wanted = sharding_for(tuple(k.key for k in path), leaf.shape)
+        assert leaf.sharding == wanted, (path, leaf.sharding, wanted)
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape == wanted.shard_shape(leaf.shape), path
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(reference)[shard.index])
+        split += wanted.shard_shape(leaf.shape) != leaf.shape
+    assert split > len(leaves) // 2, split
+    print("sharded leaves:", split, "of", len(leaves))
+""")
+
+
+def test_loading_into_a_mesh_places_each_shard_on_its_device(clover_checkpoint, converted):
+    """8 fake CPU devices need a fresh process (XLA_FLAGS is read when the backend starts)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    completed = subprocess.run([sys.executable, "-c", SHARDED_LOAD, converted, clover_checkpoint], env=env,
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "sharded leaves:" in completed.stdout
+
+
+@pytest.mark.parametrize("failing_step", ["_fsync_tree", "_move_into_place", "_write_durably"])
+def test_a_failed_conversion_leaves_nothing_behind(clover_checkpoint, tmp_path, monkeypatch, failing_step):
+    """The save fails after the parameters are written: before the rename, during it, or at the manifest."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(orbax_checkpoint, failing_step, fail)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert_to_orbax(clover_checkpoint, out, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_killed_conversion_leaves_a_directory_that_refuses_to_load(clover_checkpoint, tmp_path, monkeypatch):
+    """A kill between the rename and the manifest (no cleanup runs): parameters, but no marker."""
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orbax_checkpoint, "_write_durably", killed)
+    monkeypatch.setattr(orbax_checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+    out = str(tmp_path / "out")
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_orbax(clover_checkpoint, out, progress=False)
+    monkeypatch.undo()
+    assert is_orbax_checkpoint(out) and os.path.isdir(os.path.join(out, "params"))
+    with pytest.raises(CheckpointError, match=r"conversion was interrupted; rerun convert_to_orbax\(.*overwrite=True"):
+        load(out)
+
+
+def test_a_partial_manifest_is_refused(converted, tmp_path):
+    copy = str(tmp_path / "copy")
+    shutil.copytree(converted, copy)
+    manifest = os.path.join(copy, orbax_checkpoint.MANIFEST)
+    with open(manifest) as handle:
+        text = handle.read()
+    with open(manifest, "w") as handle:
+        handle.write(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match="incomplete or corrupt.*conversion was interrupted"):
+        load(copy)
+
+
+def test_the_staging_directory_of_a_killed_conversion_is_refused(converted, tmp_path):
+    staging = str(tmp_path / ".out.converting-abc123")
+    shutil.copytree(converted, staging, ignore=shutil.ignore_patterns(orbax_checkpoint.MANIFEST))
+    with pytest.raises(CheckpointError, match="conversion was interrupted"):
+        load_orbax_params(staging, CloverConfig.from_pretrained(converted), progress=False)
+
+
+def test_an_existing_directory_is_only_replaced_with_overwrite(clover_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        convert_to_orbax(clover_checkpoint, out, progress=False)
+    assert (out / "keep.txt").read_text() == "precious"
+
+    convert_to_orbax(clover_checkpoint, out, progress=False, overwrite=True)
+    assert not (out / "keep.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    load(str(out))
+
+
+def test_an_empty_directory_is_filled_and_the_source_is_never_replaced(clover_checkpoint, tmp_path):
+    (tmp_path / "empty").mkdir()
+    convert_to_orbax(clover_checkpoint, tmp_path / "empty", progress=False)
+    assert is_orbax_checkpoint(tmp_path / "empty")
+    with pytest.raises(ValueError, match="would replace the source checkpoint"):
+        convert_to_orbax(clover_checkpoint, clover_checkpoint, progress=False, overwrite=True)
+    with pytest.raises(ValueError, match="would replace the source checkpoint"):
+        convert_to_orbax(clover_checkpoint, os.path.dirname(clover_checkpoint), progress=False, overwrite=True)
+
+
+def test_bad_directories_are_clear_errors(clover_checkpoint, tmp_path):
+    config = CloverConfig.from_pretrained(clover_checkpoint)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_orbax_params(tmp_path / "nowhere", config)
+    with pytest.raises(CheckpointError, match="not an Orbax checkpoint written by convert_to_orbax"):
+        load_orbax_params(clover_checkpoint, config)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        convert_to_orbax(tmp_path / "nowhere", tmp_path / "out", progress=False)
+
+
+def test_a_tree_that_does_not_fit_the_config_is_listed_before_reading_data(converted, monkeypatch):
+    raw = read_config(converted)
+    raw.update(moe_intermediate_size=16, tie_word_embeddings=True)
+    reads = []
+    monkeypatch.setattr(orbax_checkpoint, "_restore", lambda *args: reads.append(args))
+    with pytest.raises(CheckpointError, match="does not fit") as error:
+        load_orbax_params(converted, CloverConfig.from_dict(raw), progress=False)
+    message = str(error.value)
+    assert "1 unexpected parameter(s): ['lm_head']" in message
+    assert "groups/layer_0/mlp/experts_down_proj has shape (2, 8, 64, 32), expected (2, 8, 64, 16)" in message
+    assert reads == []
+
+
+def test_a_manifest_that_disagrees_with_the_parameters_is_refused(converted, tmp_path):
+    copy = str(tmp_path / "copy")
+    shutil.copytree(converted, copy)
+    path = os.path.join(copy, orbax_checkpoint.MANIFEST)
+    with open(path) as handle:
+        fields = json.load(handle)
+    fields["num_parameters"] += 1
+    with open(path, "w") as handle:
+        json.dump(fields, handle)
+    with pytest.raises(CheckpointError, match="records"):
+        load(copy)
+
+
+def test_clover_model_loads_an_orbax_directory_like_the_hf_one(converted, clover):
+    from clover_jax import CloverModel
+
+    model = CloverModel.from_pretrained(converted, progress=False)
+    assert model.config == clover.config
+    ids = np.arange(12, dtype=np.int32).reshape(1, 12)
+    np.testing.assert_array_equal(model.forward(ids), clover.forward(ids))
+    with pytest.raises(ValueError, match="name_map applies to safetensors"):
+        CloverModel.from_pretrained(converted, progress=False, name_map={"a": "b"})
