@@ -21,6 +21,8 @@ from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
 from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput
+from clover_jax.param_layout import flat_layout
+from clover_jax.quantization import QuantSpec
 from clover_jax.sharding import MeshPlan, ShardingRules
 from clover_jax.state import ModelState, empty_state
 
@@ -77,6 +79,7 @@ class CloverModel:
         chunk_size: int = DEFAULT_CHUNK,
         rules: ShardingRules | None = None,
         impl: str = "auto",
+        quantize: "QuantSpec | str | None" = None,
     ) -> "CloverModel":
         """Load a Hugging Face layout checkpoint directory, or an Orbax directory written by
         `weights.convert_to_orbax` (restored straight into the mesh's shardings).
@@ -88,6 +91,9 @@ class CloverModel:
         rules: logical axis -> mesh axis (`clover_jax.ShardingRules`; default: batch over data,
             experts over expert, heads / shared-expert / vocab over tensor).
         impl: "auto", "pallas" or "xla" — which kernels run (`clover_jax.kernels`).
+        quantize: None, "int8", "int4" (groups of 128), "int4-g64", with "+dense" to quantise the
+            dense projections too, or a `clover_jax.quantization.QuantSpec`: weight-only
+            quantisation while loading (`clover_jax.quantization`).
         name_map: checkpoint tensor name -> expected name, for checkpoints whose names differ.
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
             the spec §2 defaults for them.
@@ -99,7 +105,15 @@ class CloverModel:
         choose_kernels(impl)  # a bad impl is refused before reading weights
         plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
         sharding_for = None if plan is None else plan.param_sharding
+        quantize = QuantSpec.parse(quantize)
+        if quantize is not None:
+            for leaf_path, shape in flat_layout(config).items():
+                if quantize.applies_to(leaf_path):
+                    quantize.check_shape(leaf_path, shape)
         if orbax_checkpoint.is_orbax_checkpoint(path):
+            if quantize is not None:
+                raise ValueError("quantize applies while reading safetensors; load the Orbax directory unquantised "
+                                 "or quantise the Hugging Face checkpoint")
             if name_map:
                 raise ValueError("name_map applies to safetensors checkpoints; an Orbax directory (from "
                                  "weights.convert_to_orbax) already holds the parameters under their own names")
@@ -107,7 +121,8 @@ class CloverModel:
                                                                 progress=progress)
         else:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
-                                                sharding_for=sharding_for, progress=progress, strict=strict)
+                                                sharding_for=sharding_for, progress=progress, strict=strict,
+                                                quantize=quantize)
         return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
 
     # ------------------------------------------------------------------ causal mode

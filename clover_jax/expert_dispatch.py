@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from clover_jax.quantization import dequantize, take
 from pallas_kernels import grouped_matmul_for_platform
 
 
@@ -48,7 +49,7 @@ def routed_expert_mlp(
     (an id >= experts means "not held here": the pair is dropped, as an expert-parallel shard
     does with the pairs routed to other shards)
     gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
-    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy)
+    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`
     returns [tokens, hidden] in the dtype of `tokens`
     """
     num_tokens, top_k = expert_ids.shape
@@ -80,8 +81,10 @@ def routed_expert_mlp(
     packed = packed.reshape(max_tiles, tile_rows, hidden)
 
     def expert_mlp(rows, expert):
-        gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up_proj[expert]), 2, axis=-1)
-        return jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, down_proj[expert])
+        # A quantised expert is dequantised here, one expert per tile: only its weights are read.
+        gate_up = dequantize(take(gate_up_proj, expert), rows.dtype)
+        gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
+        return jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(take(down_proj, expert), rows.dtype))
 
     def run_tile(_, tile):
         index, rows, expert = tile
@@ -107,6 +110,8 @@ def grouped_expert_mlp(
     ("cpu": the Pallas kernel in interpret mode, for parity tests; "gpu"; "tpu")."""
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
+    # The Pallas grouped matmul has no quantised variant yet: quantised experts are dequantised whole.
+    gate_up_proj, down_proj = dequantize(gate_up_proj, tokens.dtype), dequantize(down_proj, tokens.dtype)
     flat_experts = expert_ids.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts sort last, past every group
     sorted_tokens = order // top_k

@@ -10,18 +10,29 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from clover_jax.quantization import QuantizedWeight, dequantize
+
 default_init = nn.initializers.normal(stddev=0.02)
 
 
+def weight_param(module: nn.Module, name: str, shape: tuple[int, ...], dtype) -> "jax.Array | QuantizedWeight":
+    """A weight that may be held quantised: the stored value as it is (Flax's `param` would
+    refuse a `QuantizedWeight` whose arrays differ from `shape`), or a new one at init."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, default_init, shape, dtype)
+
+
 class Linear(nn.Module):
-    """`y = x Wᵀ` with `weight: [out_features, in_features]`, no bias (Qwen3.5 has none)."""
+    """`y = x Wᵀ` with `weight: [out_features, in_features]`, no bias (Qwen3.5 has none).
+    The weight may be a `QuantizedWeight`; it is dequantised before the matmul."""
 
     out_features: int
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", default_init, (self.out_features, x.shape[-1]), self.dtype)
+        weight = dequantize(weight_param(self, "weight", (self.out_features, x.shape[-1]), self.dtype), self.dtype)
         return jnp.einsum("...i,oi->...o", x.astype(self.dtype), weight)
 
 

@@ -27,7 +27,7 @@ from clover_jax.config import CloverConfig
 from clover_jax.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from clover_jax.kernels import KernelChoice
-from clover_jax.layers import Linear, default_init
+from clover_jax.layers import Linear, default_init, weight_param
 from clover_jax.sharding import MeshPlan
 
 
@@ -104,10 +104,10 @@ class SparseMoE(nn.Module):
                 expert_weights = expert_weights.at[:, causal:].set(block_weights)
             distinct = distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts)
 
-        gate_up_proj = self.param("experts_gate_up_proj", default_init,
-                                  (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
-        down_proj = self.param("experts_down_proj", default_init,
-                               (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
+        gate_up_proj = weight_param(self, "experts_gate_up_proj",
+                                    (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
+        down_proj = weight_param(self, "experts_down_proj",
+                                 (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
         if self.plan is not None and self.plan.axis_size(self.plan.rules.experts) > 1:

@@ -22,6 +22,8 @@ from tqdm.auto import tqdm
 
 from clover_jax.config import CloverConfig
 from clover_jax.param_layout import flat_layout
+from clover_jax.quantization import QuantizedWeight, QuantSpec
+from clover_jax.quantization import quantize as quantize_weight
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles
 from weights.name_table import (SQUEEZE_CHANNEL, Placement, Source, canonical_sources,
                                 expected_placements, normalise_prefix)
@@ -48,13 +50,17 @@ def load_params(
     sharding_for: ShardingFor | None = None,
     progress: bool = True,
     strict: bool = False,
+    quantize: QuantSpec | str | None = None,
 ) -> tuple[dict, LoadReport]:
     """Read `directory`'s safetensors into parameters of dtype `dtype` (None: the checkpoint's).
 
     `name_map` renames checkpoint tensors (checkpoint name -> canonical name, see `name_table`).
     `sharding_for(path, shape)` gives each parameter's sharding; default: the default device.
     Clover block-mode tensors that are absent take the spec §2 defaults (logged), unless `strict`.
+    `quantize` ("int8", "int4", a `QuantSpec`): quantise the routed experts (and with `+dense` the
+    dense projections) as each parameter is read, so the float model is never held whole.
     """
+    quantize = QuantSpec.parse(quantize)
     started = time.perf_counter()
     placements = expected_placements(config)
     with CheckpointFiles(directory) as files:
@@ -85,9 +91,11 @@ def load_params(
                 shape = leaf_shapes[path]
                 _check_leaf_covered(path, shape, [placements[n] for n in names])
                 sharding = sharding_for(path, shape) if sharding_for is not None else None
+                leaf_quantize = quantize if quantize is not None and quantize.applies_to(path) else None
                 if sharding is not None and len(sharding.device_set) > 1:
                     array, leaf_bytes = _read_sharded(files, shape, target_dtype, sharding,
-                                                      [(placements[n], sources.get(n)) for n in names])
+                                                      [(placements[n], sources.get(n)) for n in names],
+                                                      leaf_quantize)
                     _set_path(params, path, array)
                     bytes_read += leaf_bytes
                     bar.update(leaf_bytes)
@@ -101,7 +109,11 @@ def load_params(
                     files.read_into(sources[canonical].tensor, sources[canonical].index, region)
                     bytes_read += region.nbytes
                     bar.update(region.nbytes)
-                _set_path(params, path, jax.device_put(buffer, sharding))
+                if leaf_quantize is not None:
+                    quantized = quantize_weight(buffer, leaf_quantize)
+                    _set_path(params, path, QuantizedWeight(*(jax.device_put(part, sharding) for part in quantized)))
+                else:
+                    _set_path(params, path, jax.device_put(buffer, sharding))
                 del buffer
     report = LoadReport(str(target_dtype), len(sources), skipped, bytes_read, time.perf_counter() - started)
     logger.info("loaded %d tensors (%.2f GB, %s) from %s in %.1fs; skipped %d model.visual.*/mtp.* tensors",
@@ -192,7 +204,8 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def _read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
-                  parts: list[tuple[Placement, Source | None]]) -> tuple[jax.Array, int]:
+                  parts: list[tuple[Placement, Source | None]],
+                  quantize: QuantSpec | None = None) -> tuple[jax.Array | QuantizedWeight, int]:
     """One parameter placed with `sharding`, each addressable device's slice read on its own
     (`jax.make_array_from_callback`): no host ever assembles a sharded parameter whole, and a
     process reads only the slices of its own devices. Devices holding the same slice (replicas)
@@ -205,8 +218,30 @@ def _read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtyp
             reads[ranges] = _read_region(files, ranges, dtype, parts)
         return reads[ranges]
 
-    array = jax.make_array_from_callback(shape, sharding, read_slice)
-    return array, sum(region.nbytes for region in reads.values())
+    if quantize is None:
+        array = jax.make_array_from_callback(shape, sharding, read_slice)
+        return array, sum(region.nbytes for region in reads.values())
+    # Quantised: each slice is read and quantised once; values and scales are built from it.
+    # Slices never cut the input dimension (it is not sharded), so int4 groups stay whole.
+    quantized: dict[tuple, QuantizedWeight] = {}
+    float_bytes = []
+
+    def quantized_slice(index: tuple) -> QuantizedWeight:
+        index = index[:-1] + (slice(0, shape[-1]),)  # the float slice behind a values/scales slice
+        key = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
+        if key not in quantized:
+            region = read_slice(index)
+            float_bytes.append(region.nbytes)
+            quantized[key] = quantize_weight(region, quantize)
+            del reads[key]
+        return quantized[key]
+
+    full = quantize_weight(np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), quantize)
+    values_shape = shape[:-1] + full.values.shape[-1:]
+    scales_shape = shape[:-1] + full.scales.shape[-1:]
+    values = jax.make_array_from_callback(values_shape, sharding, lambda index: quantized_slice(index).values)
+    scales = jax.make_array_from_callback(scales_shape, sharding, lambda index: quantized_slice(index).scales)
+    return QuantizedWeight(values, scales), sum(float_bytes)
 
 
 def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dtype: np.dtype,

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.config import CloverConfig
 from clover_jax.param_layout import flat_layout
+from clover_jax.quantization import QuantizedWeight, QuantSpec, quantize
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.loader import LoadReport, ShardingFor, load_params
 
@@ -69,6 +70,7 @@ class OrbaxManifest:
     bytes: int
     source: str
     copied_files: tuple[str, ...]
+    quantization: str | None = None  # e.g. "int4-g128": quantised leaves are stored as {values, scales}
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -84,11 +86,14 @@ def convert_to_orbax(
     name_map: dict[str, str] | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    quantize: QuantSpec | str | None = None,
 ) -> OrbaxManifest:
     """Convert the Hugging Face checkpoint `hf_dir` into a self-contained Orbax directory `out_dir`.
 
     dtype: parameter dtype to store (None: the checkpoint's); name_map: as for `load_params`.
     overwrite: replace an existing non-empty `out_dir` (otherwise refused with FileExistsError).
+    quantize: store weight-only quantised weights ("int8", "int4", ... as for `load_params`);
+        loading the directory then restores them as they are, without quantising again.
 
     Peak memory: `load_params` places the parameters on the default device, so the model is
     held once there (host memory on the CPU backend, device memory on an accelerator) plus one
@@ -111,12 +116,16 @@ def convert_to_orbax(
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
     placed = False
     try:
-        params, report = load_params(source, config, dtype=dtype, name_map=name_map, progress=progress)
+        quantize = QuantSpec.parse(quantize)
+        params, report = load_params(source, config, dtype=dtype, name_map=name_map, progress=progress,
+                                     quantize=quantize)
+        params = _quantized_as_dicts(params)
         leaves = jax.tree.leaves(params)
         manifest = OrbaxManifest(
             format_version=FORMAT_VERSION, dtype=report.dtype, num_leaves=len(leaves),
             num_parameters=sum(int(leaf.size) for leaf in leaves), bytes=sum(int(leaf.nbytes) for leaf in leaves),
-            source=source, copied_files=tuple(_copy_metadata_files(source, staging)))
+            source=source, copied_files=tuple(_copy_metadata_files(source, staging)),
+            quantization=None if quantize is None else quantize.name)
         del leaves
         started = time.perf_counter()
         logger.info("writing the Orbax checkpoint (%.2f GB, %s) to %s", manifest.bytes / 1e9, manifest.dtype, staging)
@@ -235,7 +244,7 @@ def read_manifest(directory: str | os.PathLike) -> OrbaxManifest:
             raise KeyError("format")
         manifest = OrbaxManifest(int(fields["format_version"]), str(fields["dtype"]), int(fields["num_leaves"]),
                                  int(fields["num_parameters"]), int(fields["bytes"]), str(fields["source"]),
-                                 tuple(fields["copied_files"]))
+                                 tuple(fields["copied_files"]), fields.get("quantization"))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{path} is incomplete or corrupt ({type(error).__name__}: {error}): {rerun}") from error
     if manifest.format_version > FORMAT_VERSION:
@@ -268,16 +277,23 @@ def load_orbax_params(
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     stored = _stored_layout(directory, manifest)
-    _check_against_layout(stored, flat_layout(config), directory, config)
+    spec = QuantSpec.parse(manifest.quantization)
+    _check_against_layout(stored, _expected_layout(config, spec), directory, config)
     target_dtype = np.dtype(dtype if dtype is not None else manifest.dtype)
     if target_dtype not in FLOAT_DTYPES.values():
         raise ValueError(f"dtype {target_dtype} is not a float dtype; use one of "
                          f"{sorted(str(d) for d in FLOAT_DTYPES.values())} (or None for the stored one)")
 
     default = _default_sharding()
-    targets = {path: jax.ShapeDtypeStruct(shape, target_dtype,
-                                          sharding=sharding_for(path, shape) if sharding_for else default)
-               for path, (shape, _) in stored.items()}
+    def target(path, shape, stored_dtype):
+        # A quantised leaf's parts ({values, scales}) keep their stored dtypes and the sharding of
+        # the weight they stand for.
+        is_part = path[-1] in QUANTIZED_PARTS and spec is not None and spec.applies_to(path[:-1])
+        weight_path = path[:-1] if is_part else path
+        sharding = sharding_for(weight_path, shape) if sharding_for else default
+        return jax.ShapeDtypeStruct(shape, stored_dtype if is_part else target_dtype, sharding=sharding)
+
+    targets = {path: target(path, shape, stored_dtype) for path, (shape, stored_dtype) in stored.items()}
     params: dict = {}
     with tqdm(total=sum(_nbytes(t) for t in targets.values()), unit="B", unit_scale=True,
               desc="restoring weights", disable=not progress) as bar:
@@ -285,11 +301,45 @@ def load_orbax_params(
             for path, array in _restore(directory, batch).items():
                 _set_path(params, path, array)
                 bar.update(_nbytes(array))
+    params = _dicts_as_quantized(params)
     bytes_read = sum(_nbytes(target) for target in targets.values())
     report = LoadReport(str(target_dtype), len(stored), 0, bytes_read, time.perf_counter() - started)
     logger.info("restored %d leaves (%.2f GB, %s) from %s in %.1fs", report.tensors_read, bytes_read / 1e9,
                 report.dtype, directory, report.seconds)
     return params, report
+
+
+QUANTIZED_PARTS = ("values", "scales")
+
+
+def _quantized_as_dicts(tree):
+    """QuantizedWeight leaves -> {"values", "scales"} dicts (what Orbax stores)."""
+    if isinstance(tree, QuantizedWeight):
+        return {"values": tree.values, "scales": tree.scales}
+    if isinstance(tree, dict):
+        return {key: _quantized_as_dicts(value) for key, value in tree.items()}
+    return tree
+
+
+def _dicts_as_quantized(tree):
+    if isinstance(tree, dict):
+        if set(tree) == set(QUANTIZED_PARTS):
+            return QuantizedWeight(tree["values"], tree["scales"])
+        return {key: _dicts_as_quantized(value) for key, value in tree.items()}
+    return tree
+
+
+def _expected_layout(config: CloverConfig, spec: QuantSpec | None) -> dict[Path, tuple[int, ...]]:
+    """flat_layout, with each quantised weight as its two stored parts."""
+    expected = {}
+    for path, shape in flat_layout(config).items():
+        if spec is None or not spec.applies_to(path):
+            expected[path] = tuple(shape)
+            continue
+        parts = quantize(np.zeros((1, shape[-1]), np.float32), spec)
+        expected[path + ("values",)] = tuple(shape[:-1]) + parts.values.shape[-1:]
+        expected[path + ("scales",)] = tuple(shape[:-1]) + parts.scales.shape[-1:]
+    return expected
 
 
 def _default_sharding() -> jax.sharding.Sharding:

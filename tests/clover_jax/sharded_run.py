@@ -1,7 +1,7 @@
 """Run the tiny Clover on a mesh and write its results as JSON; started by the sharding tests in a
 fresh process, because the number of (fake) devices is fixed when JAX starts.
 
-    python sharded_run.py CHECKPOINT OUT.json --mesh 1,8,1 [--mesh 2,2,2 ...]
+    python sharded_run.py CHECKPOINT OUT.json --mesh 1,8,1 [--mesh 2,2,2+int4-g16 ...]
     python sharded_run.py CHECKPOINT OUT.json --mesh 2,2,2 --process 0 --processes 2 --port 12345
 
 Each result holds the forward logits, the denoise logits, the generated tokens, and, per
@@ -49,7 +49,7 @@ def results(model, report_bytes: int | None = None) -> dict:
     denoise = gather(model.denoise_logits(np.asarray([PROMPTS[0][:4], PROMPTS[1] + [9]]), np.asarray(BLOCK)))
     out = generate(peaked(model), PROMPTS, generation_config(), progress=False)
     shards = {"/".join(path): list(leaf.addressable_shards[0].data.shape)
-              for path, leaf in _flat(model.params).items()}
+              for path, leaf in _flat(model.params).items() if hasattr(leaf, "addressable_shards")}
     return {"forward": forward.tolist(), "denoise": denoise.tolist(), "sequences": out.sequences,
             "nfe": out.nfe, "shard_shapes": shards, "bytes_read": report_bytes}
 
@@ -67,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
     parser.add_argument("out")
-    parser.add_argument("--mesh", action="append", required=True, help="data,expert,tensor")
+    parser.add_argument("--mesh", action="append", required=True,
+                        help="data,expert,tensor, optionally +QUANTIZE (e.g. 2,2,2+int4-g16)")
     parser.add_argument("--process", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
@@ -94,8 +95,9 @@ def main() -> None:
     loader.load_params = counting_load_params
     output = {}
     for mesh_text in args.mesh:
-        data, expert, tensor = map(int, mesh_text.split(","))
-        model = CloverModel.from_pretrained(args.checkpoint, progress=False, impl="xla",
+        shape, _, quantize = mesh_text.partition("+")
+        data, expert, tensor = map(int, shape.split(","))
+        model = CloverModel.from_pretrained(args.checkpoint, progress=False, impl="xla", quantize=quantize or None,
                                             mesh=make_mesh(data, expert, tensor))
         output[mesh_text] = results(model, read["bytes"])
     if args.process == 0 or args.processes > 1:

@@ -16,6 +16,7 @@ from tests.clover_jax import sharded_run
 
 SCRIPT = sharded_run.__file__
 MESHES = ["1,8,1", "2,2,2", "1,1,8"]
+QUANTIZED = "2,2,2+int4-g16"
 
 
 def _environment(devices: int) -> dict:
@@ -33,7 +34,7 @@ def single_device(clover):
 @pytest.fixture(scope="module")
 def on_meshes(clover_checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mesh") / "results.json")
-    command = [sys.executable, SCRIPT, clover_checkpoint, out] + [f"--mesh={mesh}" for mesh in MESHES]
+    command = [sys.executable, SCRIPT, clover_checkpoint, out] + [f"--mesh={mesh}" for mesh in MESHES + [QUANTIZED]]
     subprocess.run(command, check=True, env=_environment(8), timeout=900)
     with open(out) as handle:
         return json.load(handle)
@@ -46,6 +47,16 @@ def test_mesh_results_equal_single_device(mesh, on_meshes, single_device):
     np.testing.assert_allclose(result["denoise"], single_device["denoise"], atol=2e-5, rtol=1e-5)
     assert result["sequences"] == single_device["sequences"]
     assert result["nfe"] == single_device["nfe"]
+
+
+def test_quantised_loading_on_a_mesh_equals_one_device(on_meshes, clover_checkpoint):
+    from clover_jax import CloverModel
+
+    alone = sharded_run.results(CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize="int4-g16"))
+    result = on_meshes[QUANTIZED]
+    np.testing.assert_allclose(result["forward"], alone["forward"], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(result["denoise"], alone["denoise"], atol=2e-5, rtol=1e-5)
+    assert result["sequences"] == alone["sequences"]
 
 
 def test_parameters_are_sharded_as_the_rules_say(on_meshes, clover):

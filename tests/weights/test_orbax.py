@@ -231,3 +231,21 @@ def test_clover_model_loads_an_orbax_directory_like_the_hf_one(converted, clover
     np.testing.assert_array_equal(model.forward(ids), clover.forward(ids))
     with pytest.raises(ValueError, match="name_map applies to safetensors"):
         CloverModel.from_pretrained(converted, progress=False, name_map={"a": "b"})
+
+
+def test_a_quantised_conversion_loads_without_quantising_again(clover_checkpoint, tmp_path, monkeypatch):
+    from clover_jax import CloverModel
+    from clover_jax.quantization import QuantizedWeight
+    from weights import loader
+
+    out = tmp_path / "int4"
+    convert_to_orbax(clover_checkpoint, out, progress=False, quantize="int4-g16")
+    expected = CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize="int4-g16")
+    monkeypatch.setattr(loader, "quantize_weight", lambda *a: pytest.fail("quantised again while loading"))
+    loaded = CloverModel.from_pretrained(out, progress=False)
+    is_quantized = lambda leaf: isinstance(leaf, QuantizedWeight)
+    assert is_quantized(loaded.params["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"])
+    assert jax.tree.structure(loaded.params, is_leaf=is_quantized) == jax.tree.structure(expected.params,
+                                                                                        is_leaf=is_quantized)
+    for ours, theirs in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))

@@ -1,0 +1,139 @@
+"""Weight-only quantisation: int8 per output channel, int4 in groups along the input dimension.
+
+A quantised weight `[..., out, in]` is a `QuantizedWeight(values, scales)` pytree that takes the
+float weight's place in the parameter tree:
+
+* int8: `values` int8 `[..., out, in]`, `scales` bfloat16 `[..., out, 1]`, `w ≈ values × scale`
+  with `scale = max|w_row| / 127`;
+* int4: `values` uint8 `[..., out, in / 2]` — two 4-bit codes per byte (even input index in the
+  low nibble), so the array holds exactly 4 bits per weight on every backend — and `scales`
+  bfloat16 `[..., out, in / group]` with `scale = max|w_group| / 7`, codes in [-8, 7].
+
+Matmuls dequantise on the fly: the routed experts dequantise only the expert a tile uses
+(`clover_jax.expert_dispatch`), dense layers their weight before the matmul (`layers.Linear`).
+Quantisation happens at load time, one parameter at a time (`weights.load_params(quantize=...)`),
+so the unquantised model is never held whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+SCALE_DTYPE = ml_dtypes.bfloat16
+
+
+class QuantizedWeight(NamedTuple):
+    """values: int8 [..., out, in] or packed uint8 [..., out, in / 2]; scales: bfloat16 [..., out, groups]."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == np.uint8 else 8
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape."""
+        return self.values.shape[:-1] + (self.values.shape[-1] * (2 if self.bits == 4 else 1),)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """bits: 8 or 4; group_size: int4 input-dimension group (int8 is per output channel);
+    dense: also quantise the dense projections (attention, GDN, shared expert), not only the
+    routed experts. Embedding, LM head, norms and the router stay in the model dtype."""
+
+    bits: int = 8
+    group_size: int = 128
+    dense: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, got {self.bits}")
+        if self.bits == 4 and (self.group_size < 2 or self.group_size % 2):
+            raise ValueError(f"int4 group_size must be an even number >= 2, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        """The text `parse` reads back: "int8", "int4-g128", with "+dense" when dense."""
+        return (f"int{self.bits}" + (f"-g{self.group_size}" if self.bits == 4 else "")
+                + ("+dense" if self.dense else ""))
+
+    @classmethod
+    def parse(cls, text: "str | QuantSpec | None") -> "QuantSpec | None":
+        """None, a QuantSpec, or "int8" / "int4" / "int4-g64" / "int8+dense"."""
+        if text is None or isinstance(text, QuantSpec):
+            return text
+        name, _, extra = str(text).partition("+")
+        bits_text, _, group = name.partition("-g")
+        if bits_text not in ("int8", "int4") or extra not in ("", "dense"):
+            raise ValueError(f"quantize={text!r}: expected 'int8' or 'int4', optionally '-g<group>' "
+                             "(int4) and '+dense'")
+        return cls(bits=int(bits_text[3:]), group_size=int(group) if group else 128, dense=extra == "dense")
+
+    def applies_to(self, path: tuple[str, ...]) -> bool:
+        """Whether the parameter at `path` is quantised under this spec."""
+        if path[-1] in ("experts_gate_up_proj", "experts_down_proj"):
+            return True
+        dense = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                 "gate_proj", "up_proj", "down_proj")
+        return self.dense and path[-1] == "weight" and len(path) >= 2 and path[-2] in dense
+
+    def check_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        if self.bits == 4 and shape[-1] % self.group_size:
+            raise ValueError(f"{'/'.join(path)} has input dimension {shape[-1]}, not a multiple of the int4 "
+                             f"group_size {self.group_size}; choose a group_size that divides it")
+
+    def stored_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the quantised form of a float weight of `shape` (values + bfloat16 scales)."""
+        rows = int(np.prod(shape[:-1]))
+        if self.bits == 8:
+            return rows * shape[-1] + rows * 2
+        return rows * shape[-1] // 2 + rows * (shape[-1] // self.group_size) * 2
+
+
+def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
+    """Quantise a float weight [..., out, in] on the host (NumPy), returning NumPy arrays."""
+    weight = np.asarray(weight, np.float32)
+    if spec.bits == 8:
+        scale = np.max(np.abs(weight), axis=-1, keepdims=True) / 127.0
+        safe = np.where(scale > 0, scale, 1.0)
+        codes = np.clip(np.rint(weight / safe), -127, 127).astype(np.int8)
+        return QuantizedWeight(codes, scale.astype(SCALE_DTYPE))
+    grouped = weight.reshape(weight.shape[:-1] + (weight.shape[-1] // spec.group_size, spec.group_size))
+    scale = np.max(np.abs(grouped), axis=-1, keepdims=True) / 7.0
+    safe = np.where(scale > 0, scale, 1.0)
+    codes = np.clip(np.rint(grouped / safe), -8, 7).astype(np.int8).reshape(weight.shape)
+    nibbles = (codes & 0xF).astype(np.uint8)
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return QuantizedWeight(packed, scale[..., 0].astype(SCALE_DTYPE))
+
+
+def dequantize(weight: "QuantizedWeight | jax.Array", dtype) -> jax.Array:
+    """The float weight [..., out, in] in `dtype` (a float array is returned cast)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight.astype(dtype)
+    scales = weight.scales.astype(jnp.float32)
+    if weight.bits == 8:
+        return (weight.values.astype(jnp.float32) * scales).astype(dtype)
+    low = (weight.values & 0xF).astype(jnp.int8)
+    high = (weight.values >> 4).astype(jnp.int8)
+    sign_extend = lambda nibble: jnp.where(nibble >= 8, nibble - 16, nibble)
+    codes = jnp.stack([sign_extend(low), sign_extend(high)], axis=-1).reshape(weight.shape)
+    groups = scales.shape[-1]
+    grouped = codes.reshape(codes.shape[:-1] + (groups, codes.shape[-1] // groups)).astype(jnp.float32)
+    return (grouped * scales[..., None]).reshape(codes.shape).astype(dtype)
+
+
+def take(weight: "QuantizedWeight | jax.Array", index) -> "QuantizedWeight | jax.Array":
+    """`weight[index]` on the leading axes, for float and quantised weights alike."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(weight.values[index], weight.scales[index])
+    return weight[index]

@@ -1,0 +1,77 @@
+"""Weight-only int8 / int4 quantisation and the will-it-fit planner."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from clover_jax import CloverModel, QuantSpec, plan
+from clover_jax.quantization import QuantizedWeight, dequantize, quantize
+from tests.conftest import token_ids
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8), QuantSpec(4, group_size=16)])
+def test_dequantised_weights_are_within_half_a_step_of_the_float_ones(spec):
+    weight = np.random.RandomState(0).randn(3, 8, 64).astype(np.float32)
+    quantized = quantize(weight, spec)
+    restored = np.asarray(dequantize(QuantizedWeight(*map(jax.numpy.asarray, quantized)), np.float32))
+    group = 64 if spec.bits == 8 else spec.group_size
+    grouped = np.abs(weight).reshape(3, 8, -1, group).max(-1, keepdims=True)
+    step = np.repeat(grouped / (127 if spec.bits == 8 else 7), group, -1).reshape(weight.shape)
+    # half a quantisation step, plus the bfloat16 rounding of the scale (2^-8 relative)
+    assert np.all(np.abs(restored - weight) <= 0.5 * step + np.abs(weight) * 2**-8 + 1e-7)
+    assert quantized.values.nbytes * 8 == weight.size * spec.bits  # int4 holds 4 bits per weight
+
+
+@pytest.fixture(scope="module", params=["int8", "int4-g16+dense"])
+def quantized(request, clover_checkpoint):
+    return CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize=request.param)
+
+
+def test_quantised_model_equals_the_float_model_on_the_dequantised_weights(quantized, clover):
+    """The on-the-fly dequantising matmuls compute exactly what float weights would."""
+    is_quantized = lambda leaf: isinstance(leaf, QuantizedWeight)
+    floats = jax.tree.map(lambda leaf: dequantize(leaf, clover.dtype) if is_quantized(leaf) else leaf,
+                          quantized.params, is_leaf=is_quantized)
+    assert any(is_quantized(leaf) for leaf in jax.tree.leaves(quantized.params, is_leaf=is_quantized))
+    reference = CloverModel(clover.config, floats, clover.dtype)
+    ids = token_ids(2, 24, clover.config.vocab_size, seed=1)
+    np.testing.assert_allclose(quantized.forward(ids), reference.forward(ids), atol=1e-5, rtol=1e-5)
+    block = np.full((2, 4), 127, np.int32)
+    np.testing.assert_allclose(quantized.denoise_logits(ids[:, :8], block), reference.denoise_logits(ids[:, :8], block),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_plan_bytes_equal_the_loaded_arrays(quantized, clover):
+    """The planner's exact byte count for the format this model was loaded with (one device)."""
+    is_quantized = lambda leaf: isinstance(leaf, QuantizedWeight)
+    actual = sum(leaf.values.nbytes + leaf.scales.nbytes if is_quantized(leaf) else leaf.nbytes
+                 for leaf in jax.tree.leaves(quantized.params, is_leaf=is_quantized))
+    from clover_jax.planner import weight_bytes_per_device
+    from clover_jax.sharding import MESH_AXES, MeshPlan
+    from jax.sharding import AbstractMesh
+
+    spec = next(leaf for leaf in jax.tree.leaves(quantized.params, is_leaf=is_quantized) if is_quantized(leaf))
+    parsed = QuantSpec(8) if spec.bits == 8 else QuantSpec(4, 16, dense=True)
+    one = MeshPlan(AbstractMesh((1, 1, 1), MESH_AXES), clover.config)
+    assert weight_bytes_per_device(clover.config, "float32", parsed, one) == actual
+
+
+def test_plan_recommendation_follows_the_devices(clover_checkpoint):
+    one_small = plan(clover_checkpoint, devices=["TPU v5e"], context_length=4096)
+    assert one_small.recommendation.weights == "bfloat16"  # a tiny model fits anywhere
+    from clover_jax import CloverConfig
+
+    # Scale the tiny config's experts up until bf16 no longer fits one 16 GB chip.
+    config = CloverConfig.from_pretrained(clover_checkpoint).replace(
+        hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_hidden_layers=40,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10)
+    on_v5e = plan(config, devices=["TPU v5e"], context_length=8192)
+    on_v6e = plan(config, devices=["TPU v6e"], context_length=8192)
+    on_eight = plan(config, devices=["TPU v5e"] * 8, context_length=8192)
+    assert on_v5e.recommendation is None and "nothing fits on 1 × TPU v5e (16 GiB)" in on_v5e.reason
+    assert on_v6e.recommendation.weights == "int4 experts (g128)"
+    assert on_v6e.reason.startswith("int4 experts (g128) on 1 × TPU v6e (32 GiB)")
+    assert on_eight.recommendation.weights == "bfloat16" and on_eight.options[0].mesh["expert"] == 8
+    assert on_eight.options[0].weight_bytes < on_v5e.options[0].weight_bytes / 4
