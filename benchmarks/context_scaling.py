@@ -1,0 +1,90 @@
+"""Time of one denoising step against the prefix length (1K, 4K, 16K, 64K tokens) on a tiny
+random Clover (one group of 3 GDN + 1 attention layers, hidden 64).
+
+Per length L: a state of capacity L + block is filled by a real causal prefill of L random tokens
+(`CloverModel.extend`, chunked; its time is reported too), then `CloverModel.denoise` of a block
+of masks after it is timed. The lengths alternate within each round (rotated order), medians
+over rounds; the first call at each length compiles and is not timed (each capacity is its own
+compiled shape, as in `generate`, whose buckets are powers of two).
+
+What to expect: GDN layers read a fixed-size recurrent state whatever the prefix, attention
+layers read the whole K/V prefix, so the step time grows with L at a rate set by the share of
+attention in the step; `step_ratio_longest_over_shortest` is time(64K) / time(1K).
+
+Usage: `python benchmarks/context_scaling.py [--quick] [--lengths 1024 4096 16384 65536]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import alternate, emit, machine, ratio, setup_environment, timed, write_random_checkpoint  # noqa: E402
+
+setup_environment()
+
+import numpy as np  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, eos_token_id=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 256 and 1024 tokens, 2 rounds")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.rounds = [256, 1024], 2
+
+    import jax
+
+    from clover_jax import CloverModel
+
+    workdir = tempfile.mkdtemp(prefix="clover-bench-context-")
+    try:
+        fields = dict(TINY, max_position_embeddings=max(args.lengths) + args.block)
+        path = write_random_checkpoint(workdir, fields, seed=0)["clover"]
+        model = CloverModel.from_pretrained(path, progress=False)
+        rng = np.random.default_rng(0)
+        block = np.full((1, args.block), model.config.mask_token_id, np.int32)
+        states, prefill = {}, {}
+        for length in args.lengths:
+            ids = rng.integers(2, fields["vocab_size"] - 1, (1, length)).astype(np.int32)
+            state = model.init_state(1, length + args.block)
+            model.extend(state, ids, logits="none")  # compile this shape
+            seconds, (_, states[length]) = timed(lambda: jax.block_until_ready(model.extend(state, ids, logits="none")))
+            prefill[length] = {"seconds": seconds, "tokens_per_s": length / seconds}
+            print(f"context_scaling: prefill {length} tokens in {seconds:.2f}s", file=sys.stderr)
+
+        def step(length):
+            return lambda: jax.block_until_ready(model.denoise(states[length], block).logits)
+
+        timings = alternate({str(length): step(length) for length in args.lengths}, args.rounds)
+        shortest, longest = str(min(args.lengths)), str(max(args.lengths))
+        curve = [{"prefix": length, "denoise_step_ms": 1e3 * timings[str(length)]["median"],
+                  "samples_ms": [1e3 * s for s in timings[str(length)]["samples"]],
+                  "over_shortest": ratio(timings[str(length)]["median"], timings[shortest]["median"]),
+                  "prefill": prefill[length]} for length in args.lengths]
+        emit({"benchmark": "context_scaling", "quick": args.quick,
+              "config": {k: fields[k] for k in ("hidden_size", "num_hidden_layers", "num_experts", "head_dim",
+                                                "num_key_value_heads")},
+              "layers": "3 GDN + 1 full attention", "block": args.block, "rounds": args.rounds,
+              "chunk_size": model.chunk_size, "curve": curve,
+              "step_ratio_longest_over_shortest": ratio(timings[longest]["median"], timings[shortest]["median"]),
+              "lengths": [int(shortest), int(longest)], "machine": machine()})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

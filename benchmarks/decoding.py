@@ -1,0 +1,197 @@
+"""Decoding speed side by side on one checkpoint: clover-jax block diffusion vs clover-jax
+autoregressive vs `transformers` `generate` (greedy, with its cache), on the same prompts.
+
+Default checkpoint: the bundled trained tiny Clover (`clover_jax/bundled/tiny-clover`) with its
+task (sorting digits, `clover_jax.training.task`), so accuracy is scored too. `--model DIR` takes
+any `clover_moe` checkpoint; `--random` (or a missing bundled model) writes a tiny random Clover
+checkpoint and uses random prompts (then tokens/s measure per-forward cost only: random weights
+decide about one token per denoising step, and there is nothing to score).
+
+Methods, each at batch 1 over every prompt in turn (the launch article's speeds are batch 1):
+  * `clover_diffusion`: `decoding.generate(mode="diffusion")` with the checkpoint's
+    generation_config.json (block size, threshold, controls);
+  * `clover_autoregressive`: `generate(mode="autoregressive")`, greedy, with neutral controls
+    (no penalties or biases) so that it does the work `transformers`' greedy search does;
+  * `transformers`: `Qwen3_5MoeForCausalLM.from_pretrained` on a view of the same weights (config
+    `model_type` `qwen3_5_moe_text`; the Clover block-mode tensors are not part of the causal
+    backbone and transformers ignores them), `generate(do_sample=False, use_cache=True)`,
+    float32, torch threads = cores. Its forward calls are counted with a forward hook.
+All three stop at the EOS ids and at the same max_new_tokens. One untimed warm-up pass over the
+prompts compiles every shape bucket; then `--rounds` rounds alternate the methods (rotated
+order) and each method's tokens/s is total response tokens / wall time of its pass; medians of
+rounds. The JSON has per method: tokens/s, NFE (mean), tokens per forward (pooled), accuracy
+(exact answer, when the task scorer applies), and the ratios between methods.
+
+Note: the tiny Clover is trained on the block-diffusion objective only; its causal (commit)
+pass is not trained to predict the next token, so autoregressive answers are expected to be
+wrong there — the autoregressive rows measure speed per token, not quality.
+
+Usage: `python benchmarks/decoding.py [--model DIR | --random] [--prompts 16] [--rounds 3] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (REPO_ROOT, alternate, backbone_view_for_transformers, emit, machine, ratio,  # noqa: E402
+                               setup_environment, torch_threads, write_random_checkpoint)
+
+setup_environment()
+
+import numpy as np  # noqa: E402
+
+BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
+NEUTRAL_CONTROLS = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                        dllm_length_penalty=0.0, dllm_think_end_bias=0.0)
+RANDOM_FIELDS = dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                     num_experts_per_tok=2, eos_token_id=1, max_position_embeddings=4096,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def bundled_ready(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "model.safetensors"))
+
+
+def task_prompts(path: str, count: int):
+    """(prompts, scorer) for the bundled task, or (None, None) when the checkpoint has no tokenizer
+    or the task module is missing."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None, None
+    try:
+        from tokenizers import Tokenizer
+
+        from clover_jax.training.recipe import Recipe
+    except ImportError:
+        return None, None
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    task = Recipe().task
+    problems = task.held_out(count)
+    prompts = [task.encode(tokenizer, problem).prompt for problem in problems]
+
+    def score(sequences):
+        texts = [tokenizer.decode(seq, skip_special_tokens=False) for seq in sequences]
+        return float(np.mean([task.is_correct(problem, text) for problem, text in zip(problems, texts)]))
+
+    return prompts, score
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=BUNDLED_DIR, help="a clover_moe checkpoint directory")
+    parser.add_argument("--random", action="store_true", help="use a tiny random Clover checkpoint")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: the checkpoint's generation_config.json, else 32")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 1 round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.rounds = 2, 1
+
+    import jax
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from clover_jax import CloverModel
+    from decoding import GenerationConfig, generate
+
+    threads = torch_threads()
+    workdir = tempfile.mkdtemp(prefix="clover-bench-decoding-")
+    notes = []
+    try:
+        path = args.model
+        if args.random or not bundled_ready(path):
+            if not args.random:
+                notes.append(f"{path} has no checkpoint yet: ran on a tiny random Clover checkpoint instead")
+            path = write_random_checkpoint(workdir, RANDOM_FIELDS, seed=0)["clover"]
+        prompts, score = task_prompts(path, args.prompts)
+        if prompts is None:
+            rng = np.random.default_rng(0)
+            vocab = CloverModel.from_pretrained(path, progress=False).config.vocab_size
+            prompts = [rng.integers(2, vocab - 1, int(rng.integers(12, 40))).tolist() for _ in range(args.prompts)]
+
+        model = CloverModel.from_pretrained(path, progress=False)
+        config = GenerationConfig.from_pretrained(path)
+        new = args.max_new_tokens or config.max_new_tokens or 32
+        eos = list(config.eos_token_id or model.config.eos_token_id or [])
+        hf = Qwen3_5MoeForCausalLM.from_pretrained(backbone_view_for_transformers(path, os.path.join(workdir, "hf")),
+                                                   dtype=torch.float32).eval()
+        forward_calls = [0]
+        hf.register_forward_hook(lambda *_: forward_calls.__setitem__(0, forward_calls[0] + 1))
+
+        def run_clover(mode):
+            def run():
+                out = {"sequences": [], "nfe": []}
+                for prompt in prompts:
+                    extra = NEUTRAL_CONTROLS if mode == "autoregressive" else {}
+                    result = generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
+                    out["sequences"].append(result.sequences[0])
+                    out["nfe"].append(result.nfe[0])
+                return out
+            return run
+
+        def run_transformers():
+            out = {"sequences": [], "nfe": []}
+            with torch.inference_mode():
+                for prompt in prompts:
+                    forward_calls[0] = 0
+                    ids = torch.tensor([prompt])
+                    generated = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                            do_sample=False, use_cache=True, eos_token_id=eos or None,
+                                            pad_token_id=eos[0] if eos else 0)
+                    response = generated[0, len(prompt):].tolist()
+                    cut = next((n + 1 for n, token in enumerate(response) if token in eos), len(response))
+                    out["sequences"].append(response[:cut])
+                    out["nfe"].append(forward_calls[0])
+            return out
+
+        methods = {"clover_diffusion": run_clover("diffusion"), "clover_autoregressive": run_clover("autoregressive"),
+                   "transformers": run_transformers}
+        timings = alternate(methods, args.rounds)
+        results = {}
+        for name, timing in timings.items():
+            last = timing["last"]
+            tokens = sum(len(s) for s in last["sequences"])
+            per_round = [tokens / seconds for seconds in timing["samples"]]
+            results[name] = {
+                "tokens_per_s": float(np.median(per_round)), "tokens_per_s_samples": per_round,
+                "seconds_per_pass": timing["median"], "response_tokens": tokens,
+                "mean_response_tokens": tokens / len(prompts),
+                "mean_nfe": float(np.mean(last["nfe"])),
+                "tokens_per_forward": tokens / max(sum(last["nfe"]), 1),
+                "accuracy": score(last["sequences"]) if score else None,
+            }
+        ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]
+        agreement = float(np.mean([a == b for a, b in zip(ar["sequences"], tf["sequences"])]))
+        speed = {name: value["tokens_per_s"] for name, value in results.items()}
+        emit({
+            "benchmark": "decoding", "quick": args.quick, "checkpoint": path if path.startswith(REPO_ROOT) else
+            ("random tiny Clover (" + ", ".join(f"{k}={RANDOM_FIELDS[k]}" for k in
+                                                ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size")) + ")"),
+            "task_scored": score is not None, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": new,
+            "generation_config": {"block_size": config.block_size, "threshold": config.threshold},
+            "dtype": str(model.dtype), "torch_threads": threads, "results": results,
+            "ratios": {
+                "diffusion_over_clover_autoregressive_tokens_per_s": ratio(speed["clover_diffusion"],
+                                                                           speed["clover_autoregressive"]),
+                "diffusion_over_transformers_tokens_per_s": ratio(speed["clover_diffusion"], speed["transformers"]),
+                "clover_autoregressive_over_transformers_tokens_per_s": ratio(speed["clover_autoregressive"],
+                                                                              speed["transformers"]),
+            },
+            "clover_autoregressive_equals_transformers_fraction": agreement,
+            "notes": notes, "jax_devices": [str(d) for d in jax.devices()], "machine": machine(),
+        })
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Run every benchmark script (each in its own process, one after another) and write
+`docs/benchmarks.md`: the machine (CPU model, cores, RAM, load, library versions), the date, a
+summary table of the headline figures and ratios, one table per benchmark, and each script's
+full JSON output.
+
+Scripts: decoding.py, forward_cost.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
+load_orbax.py (the last two unchanged, with their own defaults), roofline.py (arithmetic only).
+A script that fails is reported in the document with its exit status and the tail of its
+stderr; the others still run.
+
+Usage: `python benchmarks/run_all.py [--quick] [--only decoding compile ...] [--out docs/benchmarks.md]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import REPO_ROOT, machine, setup_environment  # noqa: E402
+
+setup_environment()
+
+SCRIPTS = ["decoding", "forward_cost", "context_scaling", "compile", "moe_scaling", "load", "load_orbax", "roofline"]
+QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
+                                                                                   "--repetitions", "1"]}
+
+
+def run_script(name: str, quick: bool) -> dict:
+    args = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", f"{name}.py")]
+    if quick:
+        args += QUICK_ARGS.get(name, ["--quick"])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    started = time.perf_counter()
+    completed = subprocess.run(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    seconds = time.perf_counter() - started
+    print(f"run_all: {name} finished in {seconds:.0f}s (exit {completed.returncode})", file=sys.stderr)
+    result = {"name": name, "seconds": seconds, "returncode": completed.returncode}
+    if completed.returncode != 0:
+        result["stderr_tail"] = completed.stderr[-3000:]
+        return result
+    text = completed.stdout.strip()
+    try:
+        result["json"] = json.loads(text)  # load.py prints indented JSON
+    except json.JSONDecodeError:
+        result["json"] = json.loads(text.splitlines()[-1])
+    return result
+
+
+# ---------------------------------------------------------------------- rendering
+def f(value, digits=3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int,)) and not isinstance(value, bool):
+        return str(value)
+    return f"{value:.{digits}g}"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def render_decoding(j: dict) -> tuple[list[str], list[list]]:
+    r = j["results"]
+    lines = [f"Checkpoint: {j['checkpoint']}; {j['prompts']} prompts at batch 1, max_new_tokens "
+             f"{j['max_new_tokens']}, diffusion block {j['generation_config']['block_size']} threshold "
+             f"{j['generation_config']['threshold']}; {j['rounds']} rounds, medians; dtype {j['dtype']}, "
+             f"torch threads {j['torch_threads']}."]
+    for note in j.get("notes", []):
+        lines.append(f"**Note:** {note}.")
+    lines.append("")
+    lines += table(["method", "tokens/s", "mean NFE", "tokens / forward", "mean response tokens", "accuracy"],
+                   [[name, f(v["tokens_per_s"]), f(v["mean_nfe"]), f(v["tokens_per_forward"]),
+                     f(v["mean_response_tokens"]), f(v["accuracy"])] for name, v in r.items()])
+    ratios = j["ratios"]
+    lines += table(["ratio", "value"], [[k, f(v)] for k, v in ratios.items()]
+                   + [["clover autoregressive tokens == transformers tokens (fraction of prompts)",
+                       f(j["clover_autoregressive_equals_transformers_fraction"])]])
+    summary = [["decoding", "diffusion / clover AR tokens/s", f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
+               ["decoding", "diffusion / transformers tokens/s", f(ratios["diffusion_over_transformers_tokens_per_s"])],
+               ["decoding", "clover AR / transformers tokens/s",
+                f(ratios["clover_autoregressive_over_transformers_tokens_per_s"])],
+               ["decoding", "diffusion tokens per forward", f(r["clover_diffusion"]["tokens_per_forward"])]]
+    if r["clover_diffusion"]["accuracy"] is not None:
+        summary.append(["decoding", "accuracy diffusion / clover AR / transformers",
+                        " / ".join(f(r[m]["accuracy"]) for m in r)])
+    return lines, summary
+
+
+def render_forward_cost(j: dict):
+    g, s = j["generate"], j["step"]
+    lines = [f"Random model: {j['config']}, {j['parameters'] / 1e6:.0f} M parameters, {j['dtype']}, torch threads "
+             f"{j['torch_threads']}. Generate: prompt {g['prompt_tokens']}, max_new_tokens {g['max_new_tokens']}, "
+             f"{g['rounds']} rounds; steps: prefix {s['prefix_tokens']}, block {s['block']}, {s['rounds']} rounds.", ""]
+    lines += table(["autoregressive generate", "tokens/s", "response tokens", "NFE"],
+                   [[m, f(g[m]["tokens_per_s"]), g[m]["response_tokens"], g[m]["nfe"]]
+                    for m in ("clover_autoregressive", "transformers")])
+    lines += table(["one step", "median ms"], [["denoising step (block of masks)", f(s["denoise_step"]["median_ms"])],
+                                               ["autoregressive step (1 token)", f(s["autoregressive_step"]["median_ms"])]])
+    lines += [f"clover / transformers tokens/s: **{f(g['clover_over_transformers_tokens_per_s'])}** "
+              f"(same tokens: {f(g['same_tokens'])}); denoising step / autoregressive step: "
+              f"**{f(s['denoise_over_autoregressive_step'])}** (distinct experts per layer in the denoising step: "
+              f"{f(s['denoise_distinct_experts_per_layer'])}).", ""]
+    traffic = s.get("xla_cost_analysis")
+    if traffic:
+        lines += [f"XLA cost analysis of the compiled steps: the autoregressive step accesses "
+                  f"{f(traffic['autoregressive_step']['bytes_accessed'] / 1e9)} GB "
+                  f"({f(traffic['autoregressive_bytes_over_parameter_bytes'])}× the "
+                  f"{f(traffic['parameter_bytes'] / 1e9)} GB of parameters), the denoising step "
+                  f"{f(traffic['denoise_step']['bytes_accessed'] / 1e9)} GB "
+                  f"({f(traffic['denoise_bytes_over_parameter_bytes'])}×). A step that read only routed experts "
+                  "would stay well under 1× (top-8 of 32 experts).", ""]
+    summary = [["forward_cost", "clover AR / transformers tokens/s (medium random model)",
+                f(g["clover_over_transformers_tokens_per_s"])],
+               ["forward_cost", "denoise step / AR step time (break-even tokens per forward)",
+                f(s["denoise_over_autoregressive_step"])]]
+    return lines, summary
+
+
+def render_context(j: dict):
+    lines = [f"Tiny random Clover {j['config']} ({j['layers']}), block {j['block']}, {j['rounds']} rounds, "
+             f"prefill chunk {j['chunk_size']}.", ""]
+    lines += table(["prefix tokens", "denoising step ms", "× shortest", "prefill s", "prefill tokens/s"],
+                   [[c["prefix"], f(c["denoise_step_ms"]), f(c["over_shortest"]), f(c["prefill"]["seconds"]),
+                     f(c["prefill"]["tokens_per_s"])] for c in j["curve"]])
+    a, b = j["lengths"]
+    return lines, [["context_scaling", f"denoise step time {b}/{a} prefix", f(j["step_ratio_longest_over_shortest"])]]
+
+
+def render_compile(j: dict):
+    lines = [f"`generate` on a tiny random Clover, call {j['call']}; first calls in fresh processes, "
+             f"{j['rounds']} rounds, medians.", ""]
+    lines += table(["", "first call s", "backend compiles", "answered by persistent cache", "warm call s"],
+                   [[k, f(j[k]["first_call_s"]), j[k]["first_call_compiles"], j[k]["first_call_cache_hits"],
+                     f(j[k]["warm_call_s"])] for k in ("cold", "persistent_cache")])
+    if "triggers" in j:
+        lines += table(["change from the base call", "backend compiles", "decoder loop recompiled", "call s"],
+                       [[t["change"], t["backend_compiles"], t["decoder_loop_compiled"], f(t["call_s"])]
+                        for t in j["triggers"]])
+    summary = [["compile", "first call: persistent cache / cold", f(j["persistent_over_cold_first_call"])],
+               ["compile", "cold first call s / warm call s",
+                f"{f(j['cold']['first_call_s'])} / {f(j['cold']['warm_call_s'])}"]]
+    return lines, summary
+
+
+def render_moe(j: dict):
+    s = j["shape"]
+    lines = [f"{j['layer']}; hidden {s['hidden']}, expert intermediate {s['intermediate']}, top-{s['top_k']}, "
+             f"{s['dtype']}; {j['rounds']} rounds, medians.", ""]
+    lines += table(["rows", "experts", "distinct experts used", "clover tiled XLA ms", "ragged_dot ms",
+                    "ragged_dot / clover"],
+                   [[e["rows"], e["experts"], e["distinct_experts_used"], f(1e3 * e["clover_xla_s"]["median"]),
+                     f(None if e["ragged_dot_s"]["median"] is None else 1e3 * e["ragged_dot_s"]["median"]),
+                     f(e["ragged_over_clover"])] for e in j["results"]])
+    summary = []
+    for rows, sc in j["time_ratio_most_over_fewest_experts"].items():
+        low, high = sc["experts"]
+        summary.append(["moe_scaling", f"{rows} rows: time at {high} / {low} experts, clover | ragged_dot",
+                        f"{f(sc['clover_xla_time_ratio'])} | {f(sc['ragged_dot_time_ratio'])}"])
+    return lines, summary
+
+
+def render_load(j: dict):
+    lines = table(["checkpoint GB", "load GB/s", "raw read GB/s", "raw into fresh memory GB/s", "load / raw",
+                   "load / raw fresh", "peak RSS / checkpoint"],
+                  [[j["checkpoint_gigabytes"], f(j["load_gbps"]["median"]), f(j["raw_read_gbps"]["median"]),
+                    f(j["raw_read_into_fresh_memory_gbps"]["median"]), f(j["load_vs_raw"]),
+                    f(j["load_vs_raw_into_fresh_memory"]), f(j["peak_rss_over_checkpoint"])]])
+    return lines, [["load", "safetensors load / raw read into fresh memory", f(j["load_vs_raw_into_fresh_memory"])]]
+
+
+def render_load_orbax(j: dict):
+    rows = []
+    for kind in ("hf", "orbax"):
+        entry = j.get(kind) or j.get("formats", {}).get(kind) or {}
+        rows.append([kind, f(_median(entry.get("seconds"))), f(_median(entry.get("gbps"))),
+                     f(entry.get("peak_rss_over_checkpoint"))])
+    lines = table(["format", "load s", "GB/s", "peak RSS / checkpoint"], rows)
+    return lines, [["load_orbax", "Orbax / safetensors load time", f(j.get("orbax_over_hf_seconds"))]]
+
+
+def _median(value):
+    if isinstance(value, dict):
+        return value.get("median")
+    return value
+
+
+def render_roofline(j: dict):
+    rows = [r for r in j["rows"] if r["batch"] == 1]
+    lines = [f"Clover-35B-A3B on paper (prefix {j['prefix']}, block {j['block']}, batch 1); full tables and "
+             "assumptions in docs/performance.md.", ""]
+    lines += table(["step", "distinct experts / layer", "GB read", "H200 ms", "H200 tok/s at T=2/3/4",
+                    "T needed for 515 tok/s (H200)"],
+                   [[r["name"], f(r["cost"]["distinct_experts_per_layer"]), f(r["cost"]["bytes"] / 1e9),
+                     f(r["bounds"]["1.0"]["H200"]["step_ms"]),
+                     "/".join(f(r["bounds"][t]["H200"]["tokens_per_s"]) for t in ("2.0", "3.0", "4.0"))
+                     if r["block"] > 1 else f(r["bounds"]["1.0"]["H200"]["tokens_per_s"]),
+                     f(r["tokens_per_forward_needed_for_reported"]["H200"]) if r["block"] > 1 else "—"]
+                    for r in rows])
+    plain = next(r for r in rows if r["name"] == "denoise, plain top-8")
+    return lines, [["roofline", "H200 tokens per forward needed for 515 tok/s, plain top-8 (arithmetic)",
+                    f(plain["tokens_per_forward_needed_for_reported"]["H200"])]]
+
+
+RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "context_scaling": render_context,
+          "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
+          "roofline": render_roofline}
+TITLES = {"decoding": "Decoding: diffusion vs autoregressive vs transformers (`benchmarks/decoding.py`)",
+          "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
+          "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",
+          "compile": "Compilation (`benchmarks/compile.py`)",
+          "moe_scaling": "MoE layer vs number of experts (`benchmarks/moe_scaling.py`)",
+          "load": "Checkpoint load (`benchmarks/load.py`)",
+          "load_orbax": "Safetensors vs Orbax load (`benchmarks/load_orbax.py`)",
+          "roofline": "Roofline arithmetic (`benchmarks/roofline.py`)"}
+
+
+def render(results: list[dict], host: dict, quick: bool, total_seconds: float) -> str:
+    v = host["versions"]
+    lines = ["# Benchmarks", "",
+             f"Generated by `benchmarks/run_all.py`{' --quick (smoke-test sizes: not for reading)' if quick else ''} "
+             f"on {host['date']} in {total_seconds / 60:.1f} minutes. Every figure below was measured in that run "
+             "(except the roofline, which is arithmetic); methods compared with each other ran alternately in one "
+             "process, and figures are medians over rounds (samples in the JSON at the end).", "",
+             "## Machine", "",
+             f"- CPU: {host['cpu_model']}, {host['cores']} cores; RAM {host['ram_gib']} GiB; JAX backend "
+             f"{host['jax_backend']} ({', '.join(host['devices'])})",
+             f"- Load average (1 min) when the run started: {host['load_average_1m']} — the machine was shared "
+             "with other jobs, so absolute times are noisy; compare within a row, not across runs.",
+             "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()), "",
+             "How to read it: the decoding benchmark's tokens per forward and accuracy mean something only on "
+             "the trained bundled model (random weights decide about one token per denoising step); `transformers` "
+             "on CPU runs its reference PyTorch Gated DeltaNet and causal-conv code (no flash-linear-attention / "
+             "causal-conv1d kernels on CPU), with torch threads = cores; a ratio below 1 is reported as measured, "
+             "with the evidence the script collects (see forward_cost's XLA cost analysis).", "",
+             "## Summary", ""]
+    summary_rows, sections = [], []
+    for result in results:
+        name = result["name"]
+        sections += [f"## {TITLES[name]}", "", f"Wall time of the script: {result['seconds']:.0f} s.", ""]
+        if result["returncode"] != 0:
+            sections += [f"**Failed** (exit {result['returncode']}):", "", "```", result["stderr_tail"], "```", ""]
+            summary_rows.append([name, "failed", f"exit {result['returncode']}"])
+            continue
+        body, summary = RENDER[name](result["json"])
+        sections += body
+        summary_rows += summary
+    lines += table(["benchmark", "measurement", "value"], summary_rows)
+    lines += sections
+    lines += ["## Raw JSON", ""]
+    for result in results:
+        if "json" in result:
+            lines += [f"<details><summary>{result['name']}</summary>", "", "```json",
+                      json.dumps(result["json"], indent=1)[:20000], "```", "", "</details>", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="every script in its smoke-test mode")
+    parser.add_argument("--only", nargs="+", choices=SCRIPTS, help="run these scripts only")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "docs", "benchmarks.md"))
+    args = parser.parse_args(argv)
+    host = machine()
+    started = time.perf_counter()
+    results = [run_script(name, args.quick) for name in (args.only or SCRIPTS)]
+    text = render(results, host, args.quick, time.perf_counter() - started)
+    with open(args.out, "w") as handle:
+        handle.write(text + "\n")
+    print(json.dumps({"out": args.out, "scripts": {r["name"]: {"seconds": round(r["seconds"], 1),
+                                                               "returncode": r["returncode"]} for r in results}}))
+
+
+if __name__ == "__main__":
+    main()

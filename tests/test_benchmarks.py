@@ -1,0 +1,53 @@
+"""Smoke tests of the benchmark scripts, so they cannot rot: the roofline arithmetic against the
+model card's public numbers, one timed script end to end in `--quick` mode, and the driver's
+rendering of `docs/benchmarks.md` from script output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name: str, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", f"{name}.py"), *args],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120,
+                               cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_roofline_parameter_counts_match_the_model_card():
+    from benchmarks.roofline import parameter_counts, step_cost
+
+    counts = parameter_counts()
+    assert abs(counts["total"] / 1e9 - 34.7) < 0.2  # model card: 34.7B parameters
+    assert abs(counts["active_per_token"] / 1e9 - 3.0) < 0.15  # "~3B active"
+    # BF16 weights ~69 GB (spec preamble): every parameter at 2 bytes.
+    assert abs(2 * counts["total"] / 1e9 - 69.3) < 0.5
+    fewer, more = step_cost(32, 1, 4096, 32.0), step_cost(32, 1, 4096, 163.0)
+    assert fewer["bytes"] < more["bytes"] and fewer["flops"] == more["flops"]
+
+
+def test_moe_scaling_quick_runs_and_both_implementations_agree():
+    result = run_script("moe_scaling", "--quick")
+    assert result["benchmark"] == "moe_scaling" and result["results"]
+    for entry in result["results"]:
+        assert entry["clover_xla_s"]["median"] > 0
+        assert entry["max_relative_difference"] < 1e-4
+
+
+def test_run_all_renders_a_table_from_script_output():
+    from benchmarks import run_all
+    from benchmarks.roofline import report
+
+    host = {"cpu_model": "test cpu", "cores": 2, "ram_gib": 1.0, "load_average_1m": 0.0, "jax_backend": "cpu",
+            "devices": ["cpu:0"], "versions": {"jax": "x"}, "date": "today"}
+    results = [{"name": "roofline", "seconds": 0.1, "returncode": 0, "json": report(4096, 32)},
+               {"name": "compile", "seconds": 1.0, "returncode": 1, "stderr_tail": "boom"}]
+    text = run_all.render(results, host, quick=True, total_seconds=1.0)
+    assert "test cpu, 2 cores" in text and "| roofline |" in text and "**Failed** (exit 1)" in text
