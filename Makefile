@@ -1,10 +1,15 @@
 # Every install step lives here: `make test` on a fresh machine creates .venv and installs .[test].
+# `make demo` uses the same .venv but installs only the runtime dependencies (`pip install -e .`: no torch,
+# no transformers); a later `make test` adds the test extras on top, and a demo after `make test` reuses them.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-test
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+DEMO_PROMPT ?= sort 3 1 4 1 5 9 2 6
+DEMO_FLAGS ?= --show-steps
 
-.PHONY: test venv bench-load clean
+.PHONY: test venv demo bench-load clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +20,24 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# Runtime dependencies only (jax, flax, tokenizers, jinja2, ...), for the demo and the CLI.
+$(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $(RUNTIME_STAMP)
+
 venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The bundled tiny Clover (clover_jax/bundled/tiny-clover, trained to sort digits) answering from the command
+# line, each block shown as it is denoised: first with its shipped decoding controls, then two positions per
+# step. Override DEMO_PROMPT / DEMO_FLAGS to try other prompts and controls.
+demo: $(RUNTIME_STAMP)
+	@echo "== shipped controls: LowConfidence decoding, block size and threshold from generation_config.json"
+	$(BIN)/clover-jax generate $(DEMO_FLAGS) "$(DEMO_PROMPT)"
+	@echo "== the fixed_k schedule, two positions per denoising step: watch each block fill in"
+	$(BIN)/clover-jax generate $(DEMO_FLAGS) --schedule fixed_k --tokens-per-step 2 "$(DEMO_PROMPT)"
 
 bench-load: $(STAMP)
 	$(BIN)/python benchmarks/load.py

@@ -164,8 +164,8 @@ def render_moe(j: dict):
     summary = []
     for rows, sc in j["time_ratio_most_over_fewest_experts"].items():
         low, high = sc["experts"]
-        summary.append(["moe_scaling", f"{rows} rows: time at {high} / {low} experts, clover | ragged_dot",
-                        f"{f(sc['clover_xla_time_ratio'])} | {f(sc['ragged_dot_time_ratio'])}"])
+        summary.append(["moe_scaling", f"{rows} rows: time at {high} / {low} experts, clover; ragged_dot",
+                        f"{f(sc['clover_xla_time_ratio'])}; {f(sc['ragged_dot_time_ratio'])}"])
     return lines, summary
 
 
