@@ -9,7 +9,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEMO_PROMPT ?= sort 3 1 4 1 5 9 2 6
 DEMO_FLAGS ?= --show-steps
 
-.PHONY: test venv demo bench-load clean
+.PHONY: test venv demo bench bench-load clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: $(RUNTIME_STAMP)
 	$(BIN)/clover-jax generate $(DEMO_FLAGS) "$(DEMO_PROMPT)"
 	@echo "== the fixed_k schedule, two positions per denoising step: watch each block fill in"
 	$(BIN)/clover-jax generate $(DEMO_FLAGS) --schedule fixed_k --tokens-per-step 2 "$(DEMO_PROMPT)"
+
+# Every benchmark side by side (about 15 minutes on 2 cores); rewrites docs/benchmarks.md.
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
 
 bench-load: $(STAMP)
 	$(BIN)/python benchmarks/load.py

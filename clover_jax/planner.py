@@ -49,6 +49,7 @@ class Option:
     state_bytes: int         # per device: K/V cache + GDN state + activations
     device_bytes: int        # memory of one device
     fits: bool
+    quantize: QuantSpec | None = None  # what to pass as `CloverModel.from_pretrained(quantize=...)`
 
     @property
     def total_bytes(self) -> int:
@@ -137,7 +138,7 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", devices: Sequence |
             continue  # this config's input dimensions do not split into the int4 groups
         weights = weight_bytes_per_device(config, dtype, spec, mesh_plan)
         options.append(Option(describe_format(dtype, spec), dict(mesh_shape), weights, state_bytes, device_bytes,
-                              weights + state_bytes <= HEADROOM * device_bytes))
+                              weights + state_bytes <= HEADROOM * device_bytes, spec))
     chosen = next((option for option in options if option.fits), None)
     where = f"{count} × {kind} ({device_bytes / GIB:.0f} GiB)"
     if chosen is None:

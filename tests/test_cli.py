@@ -1,0 +1,165 @@
+"""The `clover-jax` command line, run as a user runs it (subprocesses) on a tiny random Clover with
+a real tokenizer and chat template. Each generating subprocess pays the jax import and one
+compile, so there are three; the error cases stop before anything is compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clover_jax import cli
+from clover_jax.tokenization import Tokenizer
+from tests.clover_jax.test_tokenization import write_chat_checkpoint
+
+PROMPT = "What is diffusion?"
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "clover-jax")
+
+
+def run_cli(*args: str, stdin: str | None = None, script: bool = False) -> subprocess.CompletedProcess:
+    command = [SCRIPT] if script else [sys.executable, "-m", "clover_jax"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run(command + list(args), input=stdin, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_chat_checkpoint(tmp_path_factory.mktemp("cli"))
+
+
+@pytest.fixture(scope="module")
+def json_run(checkpoint):
+    result = run_cli("generate", "--model", checkpoint, "--json", "--show-steps", "-n", "12", "--threshold", "0.9",
+                     PROMPT)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout), result.stderr
+
+
+def test_generate_json_reports_the_response_and_its_metrics(checkpoint, json_run):
+    record, _ = json_run
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], enable_thinking=True)
+    metrics, ids = record["metrics"], record["token_ids"]
+    assert record["prompt_tokens"] == len(prompt_ids)
+    assert 1 <= record["response_tokens"] == len(ids) <= 12
+    assert record["response"] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert record["generation_config"]["threshold"] == 0.9 and record["generation_config"]["block_size"] == 8
+    # the prompt fills two blocks: one prefill, then one forward per denoising step (README, Decoding choices)
+    assert metrics["nfe"] == 1 + sum(metrics["steps_per_block"])
+    assert metrics["tokens_per_forward"] == pytest.approx(len(ids) / metrics["nfe"], abs=1e-4)
+    assert metrics["tokens_per_second"] == pytest.approx(len(ids) / metrics["seconds"], rel=0.01)
+    assert metrics["includes_compile"] is True
+    assert len(record["trajectory"]["step"]) == len(ids)
+
+
+def test_show_steps_replays_every_denoising_step_of_every_block(json_run):
+    record, stderr = json_run
+    frames = [line for line in stderr.splitlines() if line.startswith("block ")]
+    steps = record["metrics"]["steps_per_block"]
+    fill = record["trajectory"]["step"]
+    tail = record["prompt_tokens"] % 8
+    blocks = (tail + np.arange(len(fill))) // 8
+    shown = blocks[-1] + 1
+    last_frame = [steps[b] for b in range(shown - 1)] + [max(np.asarray(fill)[blocks == shown - 1])]
+    assert len(frames) == sum(last_frame)  # every step; the last block until its shown positions are decided
+    assert cli.MASK_GLYPH in frames[0]
+    for block in range(shown):
+        last = [f for f in frames if f.startswith(f"block {block} step {last_frame[block]:>2}/{steps[block]}")]
+        assert len(last) == 1 and cli.MASK_GLYPH not in last[0]  # a decided block has no masks left
+    # positions filled at step 1 of block 0 are decided in its first frame, the others are still masked
+    first_block_steps = fill[:8 - tail]
+    assert frames[0].count(cli.MASK_GLYPH) == sum(1 for s in first_block_steps if s > 1)
+
+
+def test_generate_streams_the_same_text_as_json(checkpoint, json_run):
+    record, _ = json_run
+    result = run_cli("generate", "--model", checkpoint, "-n", "12", "--threshold", "0.9", PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == record["response"] + "\n"
+    assert f"-- {record['response_tokens']} tokens" in result.stderr
+
+
+def test_generate_autoregressive_without_thinking(checkpoint):
+    result = run_cli("generate", "--model", checkpoint, "--mode", "autoregressive", "--no-think", "--json", "-n", "6",
+                     "-", stdin=PROMPT)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    no_think = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], enable_thinking=False)
+    assert record["prompt_tokens"] == len(no_think)
+    assert record["metrics"]["nfe"] == record["response_tokens"] <= 6  # one causal forward per token
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["generate", "--model", "/no/such/dir", "hi"], 1, "model directory '/no/such/dir' does not exist"),
+    (["generate", "--threshold", "1.5", "hi"], 2, "argument --threshold: threshold must be in (0, 1]"),
+    (["generate", "--block-size", "two", "hi"], 2, "argument --block-size: expected an integer, got 'two'"),
+    (["generate", "--schedule", "fastest", "hi"], 2, "argument --schedule: invalid choice: 'fastest'"),
+    (["generate", "--do-sample", "--temperature", "0", "hi"], 2, "--temperature: temperature must be > 0"),
+    (["generate", "--eos-token-id", "100000", "-n", "4", "hi"], 2, "--eos-token-id: eos_token_id [100000] is outside"),
+    (["generate", "-n", "4", "word " * 600], 1, "exceed the model's context of 512 tokens"),
+])
+def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, message):
+    if "--model" not in args:
+        args = [args[0], "--model", checkpoint] + args[1:]
+    result = run_cli(*args)
+    assert result.returncode == status
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == ""
+
+
+def test_info_counts_every_checkpoint_tensor_and_estimates_memory(checkpoint):
+    from safetensors.numpy import load_file
+
+    result = run_cli("info", checkpoint, "--json", script=os.path.exists(SCRIPT))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    parameters = record["parameters"]
+    assert parameters["total"] == sum(t.size for t in tensors.values())
+    routed = parameters["routed_experts"]
+    assert parameters["active_per_token"] == parameters["total"] - routed + routed * 2 // 8  # top-2 of 8
+    memory = record["memory"]["by_dtype"]
+    assert memory["float32"]["parameters"] == 4 * parameters["total"]
+    assert memory["bfloat16"]["parameters"] == 2 * parameters["total"]
+    assert record["memory"]["context"] == 512 and record["files"]["chat_template"]
+    text = cli.format_info(record)
+    assert "active per token" in text and "bfloat16" in text
+
+
+def test_every_generation_config_field_is_a_generate_flag():
+    import dataclasses
+
+    from decoding import GenerationConfig
+
+    parser = cli.build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    flags = {option for action in generate._actions for option in action.option_strings}
+    missing = [f.name for f in dataclasses.fields(GenerationConfig) if cli.flag_name(f.name) not in flags]
+    assert not missing
+    args = parser.parse_args(["generate", "--eos-token-id", "1", "2", "--no-coreset", "--threshold", "0.5",
+                              "--max-steps-per-block", "3", "--schedule", "margin", "x"])
+    assert cli.generation_overrides(args) == {"eos_token_id": (1, 2), "coreset": False, "threshold": 0.5,
+                                              "max_steps_per_block": 3, "schedule": "margin"}
+
+
+def test_show_steps_renders_prompt_tail_masks_and_fills(capsys):
+    class Letters:  # a tokenizer whose token i is the letter chr(97 + i)
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(97 + i) for i in ids)
+
+    from decoding import GenerationConfig
+
+    config = GenerationConfig(block_size=4, max_new_tokens=5)
+    # prompt of 6 tokens: its last 2 open block 0; the response fills 2 + 3 positions over two blocks
+    cli.render_steps(Letters(), [0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [2, 1, 1, 3, 2], [2, 3], config, sys.stdout)
+    lines = capsys.readouterr().out.splitlines()
+    glyph = cli.MASK_GLYPH
+    assert [line.split("│")[1] for line in lines] == [f"ef{glyph}h", "efgh", f"i{glyph}{glyph}", f"i{glyph}k", "ijk"]
+    assert [line.split("│")[2].strip() for line in lines] == ["3/4", "4/4", "1/3", "2/3", "3/3"]
+    assert lines[0].startswith("block 0 step  1/2") and lines[2].startswith("block 1 step  1/3")
