@@ -268,7 +268,9 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
 
 def _check_memory(model, batch: int, capacity: int, block_size: int) -> None:
     """Refuse, before compiling, a request whose state and activations do not fit the device."""
-    needed = memory.estimate_memory(model.config, batch, capacity, model.dtype, model.chunk_size, block_size)
+    # A causal pass never holds more rows than the context (a short prompt is not a whole chunk).
+    needed = memory.estimate_memory(model.config, batch, capacity, model.dtype, min(model.chunk_size, capacity),
+                                    block_size)
     plan = model.plan
     memory.check_fits(needed, already_placed=needed.parameters,
                       split=1 if plan is None else plan.axis_size(plan.rules.batch))
