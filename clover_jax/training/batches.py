@@ -1,0 +1,70 @@
+"""Training batches laid out the way `decoding.generate` lays out a request (spec §4).
+
+Blocks are aligned to absolute positions: block k of a sequence (prompt + response) covers
+positions [kB, (k+1)B). A training example is one block that generation would decode — one
+holding at least one response position, up to the block of the end-of-turn token — with
+everything before it as the clean causal prefix (the prompt's whole blocks plus the response
+blocks committed before it). Prompt tokens inside the block (the prompt tail of the first
+decoded block) are decided and never masked; positions after the response are the pad token,
+which generation must fill too before it can close the last block.
+
+Prefixes are left-padded to one width per batch; `start` marks the padding, so RoPE
+positions count from each sequence's first real token and padded rows leave the state as if
+absent (`clover_jax.state`), exactly as in generation's left padding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from clover_jax.training.task import Example
+
+
+class TrainBatch(NamedTuple):
+    """b = batch, W = prefix width, B = block size."""
+
+    prefix_ids: np.ndarray  # int32 [b, W], left-padded clean prefix
+    start: np.ndarray       # int32 [b], first real row of each prefix
+    block_ids: np.ndarray   # int32 [b, B], the clean block (the targets)
+    maskable: np.ndarray    # bool [b, B], response positions (the noise may mask them)
+
+
+def decodable_blocks(prompt_length: int, response_length: int, block_size: int) -> range:
+    """Absolute indices of the blocks generation decodes for this example."""
+    return range(prompt_length // block_size, (prompt_length + response_length - 1) // block_size + 1)
+
+
+def prefix_width(max_prompt: int, max_response: int, block_size: int) -> int:
+    """Prefix width that fits every example's longest prefix (at least one block, so the pass
+    always has causal rows)."""
+    longest_prefix = (max_prompt + max_response - 1) // block_size * block_size
+    return max(block_size, longest_prefix)
+
+
+def make_batch(examples: Sequence[Example], block_size: int, width: int, pad_id: int,
+               rng: np.random.Generator, block_indices: Sequence[int] | None = None) -> TrainBatch:
+    """One decodable block per example: uniformly chosen, or the absolute `block_indices` given."""
+    batch = len(examples)
+    prefix_ids = np.full((batch, width), pad_id, np.int32)
+    start = np.zeros(batch, np.int32)
+    block_ids = np.full((batch, block_size), pad_id, np.int32)
+    maskable = np.zeros((batch, block_size), bool)
+    for row, (prompt, response) in enumerate(examples):
+        sequence = list(prompt) + list(response)
+        blocks = decodable_blocks(len(prompt), len(response), block_size)
+        index = int(rng.integers(blocks.start, blocks.stop)) if block_indices is None else block_indices[row]
+        if index not in blocks:
+            raise ValueError(f"block {index} is not decoded for a prompt of {len(prompt)} and a response of "
+                             f"{len(response)} tokens at block size {block_size} "
+                             f"(blocks {blocks.start}..{blocks.stop - 1})")
+        first = index * block_size
+        if first > width:
+            raise ValueError(f"an example needs a prefix of {first} tokens; the batch width is {width}")
+        start[row] = width - first
+        prefix_ids[row, start[row]:] = sequence[:first]
+        block = sequence[first:first + block_size]
+        block_ids[row, :len(block)] = block
+        maskable[row] = np.arange(first, first + block_size) >= len(prompt)
+    return TrainBatch(prefix_ids, start, block_ids, maskable)

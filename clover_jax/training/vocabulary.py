@@ -1,0 +1,103 @@
+"""The tiny model's tokenizer: characters, a few whole words, and Qwen3's special tokens.
+
+Built with the `tokenizers` library as a BPE whose merges only spell out a handful of words
+(`user`, `assistant`, `sort`, ...), so any text over the character set tokenizes, known words
+become one token, and digits come with their leading space (`" 7"`), as word-piece tokenizers
+split numbers. The pre-tokenizer cuts text into letter runs, an optional space plus one digit,
+newline runs (`"\\n\\n"` is one token, as in Qwen3) and single other characters.
+
+Ids 0-6 are the special tokens, at fixed ids:
+
+    0 <|endoftext|>  pad, and what follows the end of a response inside its last block
+    1 <|im_start|>   2 <|im_end|>  (the end of an assistant turn: EOS)
+    3 <think>        4 </think>    (not "special": they stay in decoded text, as in Qwen3)
+    5 <|mask|>       the diffusion mask token (never produced)
+    6 <|unk|>        a character outside the vocabulary
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+
+from clover_jax.training.chat_format import CHAT_TEMPLATE
+
+ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END, MASK, UNK = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>", "<|unk|>")
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK_START, THINK_END, MASK, UNK)
+NOT_SPECIAL = (THINK_START, THINK_END)  # kept by decode(skip_special_tokens=True), as in Qwen3
+
+CHARACTERS = string.ascii_lowercase + string.ascii_uppercase + string.digits + " \n" + ".,:;?!+-=*/()'\"_<>|#%&"
+WORDS = ("user", "assistant", "system", "sort", "digits", "digit")
+PRE_TOKENIZER_PATTERN = r"[A-Za-z]+| ?[0-9]|\n+|[^A-Za-z0-9\n]"
+
+
+def vocabulary_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Token -> id (specials first) and the BPE merges that build the spaced digits, "\\n\\n" and WORDS."""
+    vocabulary: dict[str, int] = {}
+
+    def add(token: str) -> None:
+        vocabulary.setdefault(token, len(vocabulary))
+
+    for token in SPECIAL_TOKENS + tuple(CHARACTERS):
+        add(token)
+    merges: list[tuple[str, str]] = [(" ", digit) for digit in string.digits] + [("\n", "\n")]
+    for word in WORDS:
+        built = word[0]
+        for character in word[1:]:
+            if (built, character) not in merges:
+                merges.append((built, character))
+            built += character
+    for left, right in merges:
+        add(left + right)
+    return vocabulary, merges
+
+
+def build_tokenizer():
+    """A `tokenizers.Tokenizer` for the task vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocabulary, merges = vocabulary_and_merges()
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=merges, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens([AddedToken(token, special=token not in NOT_SPECIAL, normalized=False)
+                                  for token in SPECIAL_TOKENS])
+    return tokenizer
+
+
+def write_tokenizer_files(directory: str | os.PathLike, model_max_length: int) -> dict[str, int]:
+    """Write `tokenizer.json` and `tokenizer_config.json` (with the chat template); returns the
+    special token ids by name."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    added = {}
+    for token in SPECIAL_TOKENS:
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": token not in NOT_SPECIAL}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": UNK,
+        "mask_token": MASK,
+        "additional_special_tokens": [IM_START, IM_END],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
+        json.dump(config, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+    return special_token_ids(tokenizer)
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
