@@ -62,8 +62,11 @@ def build_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=merges, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens([AddedToken(token, special=token not in NOT_SPECIAL, normalized=False)
-                                  for token in SPECIAL_TOKENS])
+    # `add_special_tokens` marks every token special; the think tags go through `add_tokens` so that
+    # decode(skip_special_tokens=True) keeps them, as Qwen3's tokenizer does. Ids come from the vocabulary.
+    added = lambda token: AddedToken(token, special=token not in NOT_SPECIAL, normalized=False)
+    tokenizer.add_special_tokens([added(token) for token in SPECIAL_TOKENS if token not in NOT_SPECIAL])
+    tokenizer.add_tokens([added(token) for token in SPECIAL_TOKENS if token in NOT_SPECIAL])
     return tokenizer
 
 
