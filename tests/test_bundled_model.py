@@ -56,3 +56,27 @@ def test_quality_gate_on_200_held_out_prompts(bundled):
     print(json.dumps(result, indent=2))
     assert result["answer_match"] >= 0.95, result["failures"]
     assert result["tokens_per_forward"] >= 2.0
+
+
+@pytest.mark.parametrize("quantize, min_match", [("int8", 0.95), ("int4-g32", 0.90)])
+def test_quantised_bundled_model_keeps_its_accuracy(bundled, quantize, min_match):
+    """Weight-only quantisation of the routed experts (int4 in groups of 32: the tiny model's
+    input dimensions are 96 and 64). Thresholds: int8 as the float gate, int4 >= 90%."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from clover_jax import CloverModel
+    from clover_jax.training.evaluation import evaluate
+
+    quantized = CloverModel.from_pretrained(BUNDLED_DIR, progress=False, chunk_size=64, quantize=quantize)
+    tokenizer = Tokenizer.from_file(os.path.join(BUNDLED_DIR, "tokenizer.json"))
+    task = Recipe().task
+    problems = task.held_out(200)
+    result = evaluate(quantized, tokenizer, task, problems)
+    print(quantize, json.dumps({k: v for k, v in result.items() if k != "failures"}))
+    assert result["answer_match"] >= min_match, result["failures"]
+    # Logits on one prompt stay close to the float model's (documented in docs/tiny_model.md).
+    ids = np.asarray([tokenizer.encode(task.prompt_text(problems[0])).ids])
+    drift = np.abs(np.asarray(quantized.forward(ids)) - np.asarray(bundled.forward(ids))).max()
+    scale = np.abs(np.asarray(bundled.forward(ids))).max()
+    assert drift <= {"int8": 0.005, "int4-g32": 0.1}[quantize] * scale, (drift, scale)
