@@ -139,12 +139,11 @@ class CloverModel:
         if capacity > self.config.max_position_embeddings:
             raise ValueError(f"capacity {capacity} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        if self.plan is not None:
-            self.plan.spec(("batch",), batch)  # refuses a batch the data axis cannot split
-            return jax.jit(lambda: empty_state(self.config, batch, capacity, self.dtype, start),
-                           out_shardings=self.plan.state_shardings(
-                               jax.eval_shape(lambda: empty_state(self.config, batch, capacity, self.dtype))))()
-        return empty_state(self.config, batch, capacity, self.dtype, start)
+        make = lambda: empty_state(self.config, batch, capacity, self.dtype, start)
+        if self.plan is None:
+            return make()
+        # Created in place on the mesh (a batch the data axis cannot split is refused here).
+        return jax.jit(make, out_shardings=self.plan.state_shardings(jax.eval_shape(make)))()
 
     def extend(self, state: ModelState, token_ids, logits: str = "last") -> tuple[jax.Array | None, ModelState]:
         """Append tokens causally: the prompt prefill and the commit of a decided block.

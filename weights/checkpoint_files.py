@@ -185,3 +185,14 @@ def _check_data_size(path: str, infos: list[TensorInfo]) -> None:
         raise CheckpointError(
             f"checkpoint file {path} is truncated: its header describes {needed} bytes of tensor data "
             f"but only {data_bytes} are present")
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data is 64-byte aligned — on the CPU backend `jax.device_put`
+    then adopts the buffer instead of copying it — and 2 MiB aligned when large, so the kernel
+    can back it with transparent huge pages (first-touch page faults dominate loading on VMs)."""
+    num_bytes = int(np.prod(shape)) * dtype.itemsize
+    alignment = 2 << 20 if num_bytes >= 2 << 20 else 64
+    raw = np.empty(num_bytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + num_bytes].view(dtype).reshape(shape)

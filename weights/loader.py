@@ -24,9 +24,9 @@ from clover_jax.config import CloverConfig
 from clover_jax.param_layout import flat_layout
 from clover_jax.quantization import QuantizedWeight, QuantSpec
 from clover_jax.quantization import quantize as quantize_weight
-from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles
-from weights.name_table import (SQUEEZE_CHANNEL, Placement, Source, canonical_sources,
-                                expected_placements, normalise_prefix)
+from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles, aligned_empty
+from weights.name_table import Placement, Source, canonical_sources, expected_placements, normalise_prefix
+from weights.sharded_reads import read_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ def load_params(
                 sharding = sharding_for(path, shape) if sharding_for is not None else None
                 leaf_quantize = quantize if quantize is not None and quantize.applies_to(path) else None
                 if sharding is not None and len(sharding.device_set) > 1:
-                    array, leaf_bytes = _read_sharded(files, shape, target_dtype, sharding,
+                    array, leaf_bytes = read_sharded(files, shape, target_dtype, sharding,
                                                       [(placements[n], sources.get(n)) for n in names],
                                                       leaf_quantize)
                     _set_path(params, path, array)
                     bytes_read += leaf_bytes
                     bar.update(leaf_bytes)
                     continue
-                buffer = _aligned_empty(shape, target_dtype)
+                buffer = aligned_empty(shape, target_dtype)
                 for canonical in names:
                     region = buffer[placements[canonical].index]
                     if canonical not in sources:
@@ -190,97 +190,6 @@ def _fraction(source: Source, files: CheckpointFiles) -> float:
     """Share of its checkpoint tensor that a (possibly sliced) source reads."""
     full = int(np.prod(files.tensors[source.tensor].shape))
     return int(np.prod(source.shape)) / full if full else 0.0
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data is 64-byte aligned — on the CPU backend `jax.device_put`
-    then adopts the buffer instead of copying it — and 2 MiB aligned when large, so the kernel
-    can back it with transparent huge pages (first-touch page faults dominate loading on VMs)."""
-    num_bytes = int(np.prod(shape)) * dtype.itemsize
-    alignment = 2 << 20 if num_bytes >= 2 << 20 else 64
-    raw = np.empty(num_bytes + alignment, np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset:offset + num_bytes].view(dtype).reshape(shape)
-
-
-def _read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
-                  parts: list[tuple[Placement, Source | None]],
-                  quantize: QuantSpec | None = None) -> tuple[jax.Array | QuantizedWeight, int]:
-    """One parameter placed with `sharding`, each addressable device's slice read on its own
-    (`jax.make_array_from_callback`): no host ever assembles a sharded parameter whole, and a
-    process reads only the slices of its own devices. Devices holding the same slice (replicas)
-    share one read. Returns the array and the bytes read."""
-    reads: dict[tuple, np.ndarray] = {}
-
-    def read_slice(index: tuple) -> np.ndarray:
-        ranges = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
-        if ranges not in reads:
-            reads[ranges] = _read_region(files, ranges, dtype, parts)
-        return reads[ranges]
-
-    if quantize is None:
-        array = jax.make_array_from_callback(shape, sharding, read_slice)
-        return array, sum(region.nbytes for region in reads.values())
-    # Quantised: each slice is read and quantised once; values and scales are built from it.
-    # Slices never cut the input dimension (it is not sharded), so int4 groups stay whole.
-    quantized: dict[tuple, QuantizedWeight] = {}
-    float_bytes = []
-
-    def quantized_slice(index: tuple) -> QuantizedWeight:
-        index = index[:-1] + (slice(0, shape[-1]),)  # the float slice behind a values/scales slice
-        key = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
-        if key not in quantized:
-            region = read_slice(index)
-            float_bytes.append(region.nbytes)
-            quantized[key] = quantize_weight(region, quantize)
-            del reads[key]
-        return quantized[key]
-
-    full = quantize_weight(np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), quantize)
-    values_shape = shape[:-1] + full.values.shape[-1:]
-    scales_shape = shape[:-1] + full.scales.shape[-1:]
-    values = jax.make_array_from_callback(values_shape, sharding, lambda index: quantized_slice(index).values)
-    scales = jax.make_array_from_callback(scales_shape, sharding, lambda index: quantized_slice(index).scales)
-    return QuantizedWeight(values, scales), sum(float_bytes)
-
-
-def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dtype: np.dtype,
-                 parts: list[tuple[Placement, Source | None]]) -> np.ndarray:
-    """The part of a parameter inside `ranges` ([start, stop) per axis), from the checkpoint
-    tensors placed in it. A placement fills `param[lead ints][optional slice][...]`."""
-    out = _aligned_empty(tuple(stop - start for start, stop in ranges), dtype)
-    for placement, source in parts:
-        lead = [item for item in placement.index if isinstance(item, int)]
-        if not all(start <= i < stop for i, (start, stop) in zip(lead, ranges)):
-            continue
-        extent = placement.shape if placement.transform != SQUEEZE_CHANNEL else placement.shape[:1] + placement.shape[2:]
-        offset = placement.index[len(lead)].start if len(placement.index) > len(lead) else 0
-        # The region the placement fills, in parameter coordinates, intersected with `ranges`.
-        region = [(offset if axis == 0 else 0, (offset if axis == 0 else 0) + size) for axis, size in enumerate(extent)]
-        wanted = ranges[len(lead):]
-        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, wanted)]
-        if any(low >= high for low, high in overlap):
-            continue
-        destination = tuple(i - start for i, (start, _) in zip(lead, ranges)) + tuple(
-            slice(low - start, high - start) for (low, high), (start, _) in zip(overlap, wanted))
-        within = [slice(low - first, high - first) for (low, high), (first, _) in zip(overlap, region)]
-        if source is None:
-            out[destination] = placement.default
-            continue
-        if placement.transform == SQUEEZE_CHANNEL:
-            within.insert(1, slice(0, 1))
-        out[destination] = files.read(source.tensor, _compose(source.index, within)).reshape(out[destination].shape)
-    return out
-
-
-def _compose(source_index: tuple, within: list[slice]) -> tuple:
-    """`tensor[source_index][within]` as one index into the tensor (source_index: leading ints,
-    then at most one slice, which `within[0]` refines)."""
-    lead = tuple(item for item in source_index if isinstance(item, int))
-    if len(source_index) > len(lead):
-        first = source_index[len(lead)].start or 0
-        within = [slice(first + within[0].start, first + within[0].stop)] + within[1:]
-    return lead + tuple(within)
 
 
 def _check_leaf_covered(path, shape, placements: list[Placement]) -> None:
