@@ -125,33 +125,40 @@ class GenerationConfig:
             if not condition:
                 raise ValueError(message)
 
-        need(all(isinstance(e, numbers.Integral) for e in self.eos_token_id),
+        is_int = lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        for name in ("threshold", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "dllm_length_penalty", "dllm_think_end_bias", "margin_threshold",
+                     "entropy_bound") + (("coreset_top_p",) if self.coreset_top_p is not None else ()):
+            value = getattr(self, name)
+            need(isinstance(value, numbers.Real) and not isinstance(value, bool),
+                 f"{name} must be a number, got {value!r}")
+        need(all(is_int(e) for e in self.eos_token_id),
              f"eos_token_id must be an int or a list of ints, got {self.eos_token_id!r}")
         if self.max_new_tokens is not None:
-            need(isinstance(self.max_new_tokens, numbers.Integral) and self.max_new_tokens >= 1,
+            need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                  f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        need(isinstance(self.block_size, int) and self.block_size >= 1,
+        need(is_int(self.block_size) and self.block_size >= 1,
              f"block_size must be an integer >= 1, got {self.block_size!r}")
         need(0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")
         if self.do_sample:  # transformers' configs may carry temperature 0 with greedy decoding
             need(self.temperature > 0, f"temperature must be > 0 when do_sample=True, got {self.temperature}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        need(is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty", "dllm_length_penalty", "dllm_think_end_bias"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         for name in ("dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_start",
                      "dllm_think_end_window"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+            need(is_int(getattr(self, name)) and getattr(self, name) >= 0,
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         need(self.block_alignment in ("absolute", "prompt"),
              f"block_alignment must be 'absolute' or 'prompt', got {self.block_alignment!r}")
         need(callable(self.schedule) or self.schedule in SCHEDULES,
              f"schedule must be one of {list(SCHEDULES)} or a function, got {self.schedule!r}")
         if self.max_steps_per_block is not None:
-            need(isinstance(self.max_steps_per_block, int) and self.max_steps_per_block >= 1,
+            need(is_int(self.max_steps_per_block) and self.max_steps_per_block >= 1,
                  f"max_steps_per_block must be an integer >= 1, got {self.max_steps_per_block!r}")
-        need(isinstance(self.tokens_per_step, int) and self.tokens_per_step >= 1,
+        need(is_int(self.tokens_per_step) and self.tokens_per_step >= 1,
              f"tokens_per_step must be an integer >= 1, got {self.tokens_per_step!r}")
         need(self.margin_threshold >= 0, f"margin_threshold must be >= 0, got {self.margin_threshold}")
         need(self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}")

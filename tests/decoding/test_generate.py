@@ -152,3 +152,10 @@ def test_bucket_policy_is_powers_of_two_then_whole_chunks():
     from decoding.generation import bucket
 
     assert [bucket(n, 64) for n in (0, 1, 3, 5, 64, 65, 129, 2049)] == [0, 1, 4, 8, 64, 128, 192, 2112]
+
+
+@pytest.mark.parametrize("field, value", [("block_size", True), ("threshold", "0.9"), ("top_k", 2.0),
+                                          ("temperature", None)])
+def test_generation_config_refuses_values_of_the_wrong_type(field, value):
+    with pytest.raises(ValueError, match=field):
+        GenerationConfig(**{field: value}).validate()
