@@ -1,10 +1,10 @@
 """Which implementation runs each hot spot: one switch, `impl="auto" | "pallas" | "xla"`.
 
-| impl     | attention                                   | GDN chunked rule         | routed experts            |
-|----------|---------------------------------------------|--------------------------|---------------------------|
-| "xla"    | online softmax over key blocks (any device) | `gated_delta` (lax.scan) | tiled scan (`expert_dispatch`) |
-| "pallas" | `jax.nn.dot_product_attention` (cuDNN on GPU) | Pallas `gdn_chunk`       | Pallas grouped matmul     |
-| "auto"   | GPU: as "pallas"; TPU and CPU: as "xla" for attention; Pallas kernels on GPU/TPU, XLA on CPU |
+| impl     | attention                                      | GDN chunked rule           | routed experts                  |
+|----------|------------------------------------------------|----------------------------|---------------------------------|
+| "xla"    | online softmax over key blocks                 | `gated_delta` (lax.scan)   | tiled scan (`expert_dispatch`)  |
+| "pallas" | `jax.nn.dot_product_attention` (cuDNN on GPU)  | Pallas `gdn_chunk`         | Pallas grouped matmul           |
+| "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"           | GPU, TPU: Pallas; CPU: XLA | GPU, TPU: Pallas; CPU: XLA      |
 
 Why attention stays on the online-softmax path on TPU: splash/flash attention take static
 (NumPy) masks or segment ids, while a pass's masks depend on the traced prefix length and

@@ -25,7 +25,7 @@ from clover_jax.config import CloverConfig
 from clover_jax.memory import estimate_memory
 from clover_jax.param_layout import flat_layout
 from clover_jax.quantization import QuantSpec
-from clover_jax.sharding import MESH_AXES, MeshPlan, ShardingRules
+from clover_jax.sharding import MESH_AXES, MeshPlan, ShardingRules, param_logical_axes
 
 GIB = 2**30
 # High-bandwidth memory per chip, by device kind (jax's `device_kind` or a short name).
@@ -84,15 +84,10 @@ def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | 
     total = 0
     for path, shape in flat_layout(config).items():
         stored = spec.stored_bytes(shape) if spec is not None and spec.applies_to(path) else math.prod(shape) * itemsize
-        split = math.prod(mesh_plan.axis_size(axis) for axis in mesh_plan.spec(_logical(path)) if axis is not None)
+        spec_axes = mesh_plan.spec(param_logical_axes(path))
+        split = math.prod(mesh_plan.axis_size(axis) for axis in spec_axes if axis is not None)
         total += stored // split
     return total
-
-
-def _logical(path):
-    from clover_jax.sharding import param_logical_axes
-
-    return param_logical_axes(path)
 
 
 def expert_mesh(config: CloverConfig, num_devices: int) -> dict:
