@@ -173,3 +173,11 @@ def backbone_view_for_transformers(clover_dir: str, target: str) -> str:
 
 def median(values) -> float:
     return statistics.median(values)
+
+
+# The tests' tiny Qwen3.6-like layout (tests/checkpoints.py QWEN36_LIKE, without the context and
+# RoPE fields, which each benchmark sets for itself).
+TINY_FIELDS = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, eos_token_id=1)

@@ -23,16 +23,14 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import alternate, emit, machine, ratio, setup_environment, timed, write_random_checkpoint  # noqa: E402
+from benchmarks.common import (TINY_FIELDS, alternate, emit, machine, ratio, setup_environment,  # noqa: E402
+                               timed, write_random_checkpoint)
 
 setup_environment()
 
 import numpy as np  # noqa: E402
 
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, eos_token_id=1,
+TINY = dict(TINY_FIELDS, num_hidden_layers=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
 
 

@@ -21,7 +21,6 @@ from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
 from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput
-from clover_jax.param_layout import flat_layout
 from clover_jax.quantization import QuantSpec
 from clover_jax.sharding import MeshPlan, ShardingRules
 from clover_jax.state import ModelState, empty_state
@@ -106,10 +105,6 @@ class CloverModel:
         plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
         sharding_for = None if plan is None else plan.param_sharding
         quantize = QuantSpec.parse(quantize)
-        if quantize is not None:
-            for leaf_path, shape in flat_layout(config).items():
-                if quantize.applies_to(leaf_path):
-                    quantize.check_shape(leaf_path, shape)
         if orbax_checkpoint.is_orbax_checkpoint(path):
             if quantize is not None:
                 raise ValueError("quantize applies while reading safetensors; load the Orbax directory unquantised "

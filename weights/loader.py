@@ -61,6 +61,10 @@ def load_params(
     dense projections) as each parameter is read, so the float model is never held whole.
     """
     quantize = QuantSpec.parse(quantize)
+    if quantize is not None:  # a bad int4 group is refused before any file is opened
+        for path, shape in flat_layout(config).items():
+            if quantize.applies_to(path):
+                quantize.check_shape(path, shape)
     started = time.perf_counter()
     placements = expected_placements(config)
     with CheckpointFiles(directory) as files:

@@ -75,3 +75,13 @@ def test_plan_recommendation_follows_the_devices(clover_checkpoint):
     assert on_v6e.reason.startswith("int4 experts (g128) on 1 × TPU v6e (32 GiB)")
     assert on_eight.recommendation.weights == "bfloat16" and on_eight.options[0].mesh["expert"] == 8
     assert on_eight.options[0].weight_bytes < on_v5e.options[0].weight_bytes / 4
+
+
+def test_an_int4_group_that_does_not_divide_the_inputs_is_refused_before_reading(clover_checkpoint, monkeypatch):
+    from weights import checkpoint_files, load_params
+
+    monkeypatch.setattr(checkpoint_files.CheckpointFiles, "__init__", lambda *a: pytest.fail("files were opened"))
+    from clover_jax import CloverConfig
+
+    with pytest.raises(ValueError, match="not a multiple of the int4 group_size 6"):
+        load_params(clover_checkpoint, CloverConfig.from_pretrained(clover_checkpoint), quantize="int4-g6")
