@@ -104,9 +104,20 @@ def _float(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"threshold\": 0.8}}', got {text!r} "
+                                         f"({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `GenerationConfig` field, its kind read from the field's annotation."""
-    from decoding.generation_config import SCHEDULES
+    from decoding.schedules import BY_NAME as SCHEDULES
 
     group = parser.add_argument_group("decoding controls (GenerationConfig fields; default: the checkpoint's "
                                       "generation_config.json)")
@@ -122,7 +133,9 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
         elif kind.startswith("tuple[int"):
             options.update(type=_int, nargs="+", metavar="ID")
         elif field.name == "schedule":
-            options.update(choices=SCHEDULES)
+            options.update(choices=sorted(SCHEDULES))
+        elif field.name == "schedule_params":
+            options.update(type=_json_object, metavar="JSON")
         elif kind.startswith("int"):
             options.update(type=_int, metavar="N")
         elif kind.startswith("float"):

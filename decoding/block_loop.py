@@ -21,7 +21,7 @@ from clover_jax.model import CloverTransformer
 from clover_jax.sharding import constrain_state
 from clover_jax.state import ModelState, empty_state
 from decoding.controls import Controls, TokenIds, choose, process
-from decoding.schedules import ScheduleKnobs, StepView
+from decoding.schedules import StepView, as_decision
 from decoding.streaming import report_closed_blocks
 
 
@@ -33,8 +33,7 @@ class LoopSpec(NamedTuple):
     max_blocks: int       # decoded blocks the buffers hold
     steps_cap: int        # denoising steps after which a block is force-filled
     do_sample: bool
-    schedule: Callable
-    knobs: ScheduleKnobs
+    schedule: Callable    # `decoding.schedules` signature; its parameters travel traced in `Request`
     coreset: bool
     report_blocks: bool   # call the host once per decided block (streaming, progress)
     chunk_size: int       # tokens per causal pass of the prefill
@@ -48,11 +47,13 @@ class Request(NamedTuple):
     fixed: jax.Array             # bool [b, B]: prompt-tail positions of the first block
     start: jax.Array             # int32 [b]: left padding (first real cache row)
     response_base: jax.Array     # int32 [b]: response index t of row 0 of the first decoded block
+    prompt_length: jax.Array     # int32 [b]: P, so that row j's absolute position is P + t
     max_new_tokens: jax.Array    # int32 [b]
     prompt_thinking: jax.Array   # bool [b]: the prompt ends inside an unclosed <think>
     has_prefix: jax.Array        # bool [b]: the sequence alone would have run a prefill
     keys: jax.Array              # PRNG keys [b]
     coreset_top_p: jax.Array     # float32 []
+    schedule_params: Any         # the schedule's parameters (a pytree of traced scalars)
     call_id: jax.Array           # int32 []: whose listener gets the decided blocks
 
 
@@ -74,6 +75,8 @@ class LoopState(NamedTuple):
     fixed: jax.Array             # bool [b, B]
     block_iter: jax.Array        # int32 []: index of the current decoded block
     step: jax.Array              # int32 [b]: denoising steps taken in the current block
+    open: jax.Array              # bool [b]: the current block still takes steps
+    post_fill: jax.Array         # int32 [b]: steps of the current block that began with no mask
     commit_pending: jax.Array    # bool []
     counts: jax.Array            # int32 [b, vocab]: response tokens so far (committed + filled)
     finished: jax.Array          # bool [b]
@@ -102,7 +105,8 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
     rows = jnp.arange(size)
     initial = LoopState(
         model=model_state, block=request.first_block, decided=request.fixed, fixed=request.fixed,
-        block_iter=jnp.int32(0), step=jnp.zeros(batch, jnp.int32), commit_pending=jnp.bool_(False),
+        block_iter=jnp.int32(0), step=jnp.zeros(batch, jnp.int32), open=jnp.ones(batch, bool),
+        post_fill=jnp.zeros(batch, jnp.int32), commit_pending=jnp.bool_(False),
         counts=jnp.zeros((batch, vocab), jnp.int32), finished=jnp.zeros(batch, bool),
         tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
         steps_per_block=jnp.zeros((batch, spec.max_blocks), jnp.int32),
@@ -114,7 +118,7 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
     def denoise(state: LoopState):
         out = call(state.block, state.model, 0, 0, spec.coreset, request.coreset_top_p)
         return out.logits, out.distinct_experts, state.model, state.block, state.decided, state.fixed, \
-            state.block_iter, state.step
+            state.block_iter, state.step, state.open, state.post_fill
 
     def commit_and_denoise(state: LoopState):
         masks = jnp.full_like(state.block, ids.mask)
@@ -122,12 +126,12 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
                    request.coreset_top_p)
         none = jnp.zeros_like(state.decided)
         return out.logits, out.distinct_experts, out.state, masks, none, none, state.block_iter + 1, \
-            jnp.zeros_like(state.step)
+            jnp.zeros_like(state.step), jnp.ones_like(state.open), jnp.zeros_like(state.post_fill)
 
     def body(state: LoopState) -> LoopState:
-        logits, distinct, model, current, decided, fixed, block_iter, step = jax.lax.cond(
+        logits, distinct, model, current, decided, fixed, block_iter, step, open_, post_fill = jax.lax.cond(
             state.commit_pending, commit_and_denoise, denoise, state)
-        active = ~state.finished & ~jnp.all(decided, axis=-1)
+        active = ~state.finished & open_
         response_index = request.response_base[:, None] + block_iter * size + rows[None, :]
         is_response = response_index >= 0
 
@@ -138,15 +142,21 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
         keys = jax.vmap(lambda key, s: jax.random.fold_in(jax.random.fold_in(key, block_iter), s))(
             request.keys, step)
         choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
-        view = StepView(choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
-                        step, controls.threshold)
-        after = jax.vmap(spec.schedule, in_axes=(StepView(0, 0, 0, 0, 0, 0, 0, None), None))(view, spec.knobs)
-        forced = after | fixed | (step[:, None] + 1 >= spec.steps_cap)
+        full_before = jnp.all(decided, axis=-1)
+        view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
+                        request.prompt_length[:, None] + response_index, step, block_iter, jnp.int32(spec.steps_cap),
+                        post_fill, controls.threshold, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
+        per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, 0, None, 0)
+        decision = as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params))
+        forced = decision.decided | fixed | (step[:, None] + 1 >= spec.steps_cap)
         after = jnp.where(active[:, None], forced, decided)
         filled, remasked = after & ~decided, decided & ~after
-        block = jnp.where(filled, choice.token, jnp.where(remasked, ids.mask, current))
-        delta = (filled & is_response).astype(jnp.int32) - (remasked & is_response).astype(jnp.int32)
-        counts = state.counts.at[jnp.arange(batch)[:, None], jnp.where(remasked, current, choice.token)].add(delta)
+        edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
+        block = jnp.where(filled | edited, choice.token, jnp.where(remasked, ids.mask, current))
+        counted = is_response.astype(jnp.int32)
+        added, removed = (filled | edited) * counted, (remasked | edited) * counted
+        batch_rows = jnp.arange(batch)[:, None]
+        counts = state.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
         step = step + active
         slot = (jnp.arange(batch), block_iter)
         fill_step = state.fill_step.at[slot].set(jnp.where(filled, step[:, None], state.fill_step[slot]))
@@ -155,7 +165,11 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
         distinct_experts = state.distinct_experts.at[slot].add(
             jnp.where(active, jnp.mean(distinct.astype(jnp.float32), axis=0), 0.0))
 
-        closing = active & jnp.all(after, axis=-1)
+        # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
+        keep_open = decision.keep_open & (post_fill + full_before < spec.steps_cap)
+        closing = active & jnp.all(after, axis=-1) & ~keep_open
+        open_ = open_ & ~closing
+        post_fill = post_fill + (active & full_before)
         tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], block, state.tokens[slot]))
         steps_per_block = state.steps_per_block.at[slot].set(jnp.where(closing, step, state.steps_per_block[slot]))
         inside = is_response & (response_index < request.max_new_tokens[:, None])
@@ -166,12 +180,12 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
             jax.lax.cond(jnp.any(closing), lambda: jax.debug.callback(
                 report_closed_blocks, request.call_id, closing, block, block_iter, request.response_base,
                 ordered=True), lambda: None)
-        waiting = finished | jnp.all(after, axis=-1)
-        return LoopState(model, block, after, fixed, block_iter, step, jnp.all(waiting) & ~jnp.all(finished),
-                         counts, finished, tokens, steps_per_block, fill_step, fill_confidence, distinct_experts,
-                         state.nfe + active, state.iterations + 1)
+        waiting = finished | ~open_
+        return LoopState(model, block, after, fixed, block_iter, step, open_, post_fill,
+                         jnp.all(waiting) & ~jnp.all(finished), counts, finished, tokens, steps_per_block, fill_step,
+                         fill_confidence, distinct_experts, state.nfe + active, state.iterations + 1)
 
-    limit = spec.max_blocks * (spec.steps_cap + 1)
+    limit = spec.max_blocks * (2 * spec.steps_cap + 1)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.iterations < limit), body, initial)
     return Results(final.tokens, final.steps_per_block, final.fill_step, final.fill_confidence,
                    final.distinct_experts, final.nfe)

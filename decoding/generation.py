@@ -33,7 +33,7 @@ from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
-from decoding.schedules import ScheduleKnobs, resolve
+from decoding.schedules import resolve, resolve_params
 from decoding.streaming import BlockListener, register, unregister
 
 logger = logging.getLogger(__name__)
@@ -223,9 +223,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
     spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
                     config.do_sample,
-                    resolve(config.schedule),
-                    ScheduleKnobs(config.tokens_per_step, config.margin_threshold, config.entropy_bound),
-                    _coreset(model, config), call_id != 0, model.chunk_size)
+                    resolve(config.schedule), _coreset(model, config), call_id != 0, model.chunk_size)
 
     prefix_length = prefix_bucket * size
     _check_memory(model, len(prompts), prefix_length + spec.max_blocks * size, size)
@@ -240,8 +238,9 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     fixed = np.arange(size)[None, :] < tails[:, None]
     coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
     request = Request(jnp.asarray(prefix_ids), jnp.asarray(first_block), jnp.asarray(fixed), jnp.asarray(start),
-                      jnp.asarray(-tails, jnp.int32), jnp.full(len(prompts), new, jnp.int32),
-                      jnp.asarray(thinking), jnp.asarray(lengths - tails > 0), keys, jnp.float32(coreset_top_p),
+                      jnp.asarray(-tails, jnp.int32), jnp.asarray(lengths, jnp.int32),
+                      jnp.full(len(prompts), new, jnp.int32), jnp.asarray(thinking), jnp.asarray(lengths - tails > 0),
+                      keys, jnp.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config),
                       jnp.int32(call_id))
     final = jax.device_get(run_block_decoder(model.module, model.params, spec, request, controls, ids))
     jax.effects_barrier()  # every block report has reached the host

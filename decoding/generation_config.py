@@ -13,7 +13,9 @@ import json
 import logging
 import numbers
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from decoding import schedules
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,6 @@ NEUTRAL_CONTROLS = dict(
     presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, dllm_length_penalty=0.0,
     dllm_think_end_bias=0.0,
 )
-SCHEDULES = ("low_confidence", "fixed_k", "margin", "entropy_bounded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class GenerationConfig:
     # clover-jax additions (documented in README "Decoding"):
     block_alignment: str = "absolute"      # or "prompt": every block starts right after the prompt
     schedule: str | Callable = "low_confidence"
+    schedule_params: Mapping[str, Any] | None = None  # the schedule's parameters (traced: new values never recompile)
     max_steps_per_block: int | None = None  # None: block_size; on the last step every mask is filled
     tokens_per_step: int = 2               # fixed_k schedule
     margin_threshold: float = 0.5          # margin schedule: top-1 minus top-2 probability
@@ -153,8 +155,10 @@ class GenerationConfig:
                  f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         need(self.block_alignment in ("absolute", "prompt"),
              f"block_alignment must be 'absolute' or 'prompt', got {self.block_alignment!r}")
-        need(callable(self.schedule) or self.schedule in SCHEDULES,
-             f"schedule must be one of {list(SCHEDULES)} or a function, got {self.schedule!r}")
+        need(callable(self.schedule) or self.schedule in schedules.BY_NAME,
+             f"schedule must be one of {sorted(schedules.BY_NAME)} or a function, got {self.schedule!r}")
+        need(self.schedule_params is None or isinstance(self.schedule_params, Mapping),
+             f"schedule_params must be a dict of parameter values, got {self.schedule_params!r}")
         if self.max_steps_per_block is not None:
             need(is_int(self.max_steps_per_block) and self.max_steps_per_block >= 1,
                  f"max_steps_per_block must be an integer >= 1, got {self.max_steps_per_block!r}")

@@ -7,17 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from decoding import generate, schedules
-from decoding.schedules import ScheduleKnobs, StepView
+from decoding.schedules import StepView
 
-KNOBS = ScheduleKnobs(tokens_per_step=2, margin_threshold=0.3, entropy_bound=1.0)
+KNOBS = {"tokens_per_step": 2, "margin_threshold": 0.3, "entropy_bound": 1.0, "threshold": 0.9}
 
 
 def view(confidence, decided=None, margin=None, entropy=None, fixed=None, threshold=0.9):
     size = len(confidence)
     as_bool = lambda x: jnp.asarray(x if x is not None else [False] * size)
     as_float = lambda x: jnp.asarray(x if x is not None else [0.0] * size, jnp.float32)
-    return StepView(jnp.arange(size, dtype=jnp.int32), as_float(confidence), as_float(margin), as_float(entropy),
-                    as_bool(decided), as_bool(fixed), jnp.int32(0), jnp.float32(threshold))
+    positions = jnp.arange(size, dtype=jnp.int32)
+    return StepView(positions, positions, as_float(confidence), as_float(margin), as_float(entropy),
+                    as_bool(decided), as_bool(fixed), positions, jnp.int32(0), jnp.int32(0), jnp.int32(size),
+                    jnp.int32(0), jnp.float32(threshold), jax.random.key(0))
 
 
 def test_low_confidence_fills_above_threshold_or_the_most_confident_lowest_index():
@@ -43,7 +45,7 @@ def test_entropy_bounded_fills_low_entropy_masks_within_the_budget():
     assert schedules.entropy_bounded(view([0.5] * 2, entropy=[3.0, 2.0]), KNOBS).tolist() == [False, True]
 
 
-def remask_then_fill(step: StepView, knobs: ScheduleKnobs) -> jax.Array:
+def remask_then_fill(step: StepView, knobs) -> jax.Array:
     """Never finishes on its own: the first step leaves its least confident mask, every later step
     fills it and remasks the least confident decided (non-prompt) position instead."""
     positions = jnp.arange(step.decided.shape[0])
