@@ -21,7 +21,7 @@ from clover_jax.config import CloverConfig
 from clover_jax.fused_attention import fused_attention
 from clover_jax.kernels import KernelChoice
 from clover_jax.layers import Linear, RMSNorm
-from clover_jax.online_attention import KEY_BLOCK, KeySegment, online_attention
+from clover_jax.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
 from clover_jax.rope import apply_partial_rope, rope_angles
 from clover_jax.state import KVCache, Rows
 
@@ -34,8 +34,12 @@ class GatedAttention(nn.Module):
     kernels: KernelChoice = KernelChoice()
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache, rows: Rows) -> tuple[jax.Array, KVCache]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], cache with the causal rows appended)."""
+    def __call__(self, x: jax.Array, cache: KVCache, group, rows: Rows) -> tuple[jax.Array, KVCache]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], cache with the causal rows appended).
+
+        cache: this slot's K/V cache for every group, [num_groups, batch, capacity, kv_heads, head_dim];
+        group: ours. The cache is written and read in place, block by block.
+        """
         config = self.config
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         split_heads = lambda y, h: rearrange(y, "b t (h d) -> b t h d", h=h)
@@ -49,8 +53,8 @@ class GatedAttention(nn.Module):
 
         causal = self.num_causal
         if causal:
-            write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
-                buffer, new.astype(buffer.dtype), rows.length, axis=1)
+            write = lambda buffer, new: jax.lax.dynamic_update_slice(
+                buffer, new[None].astype(buffer.dtype), (group, 0, rows.length, 0, 0))
             cache = KVCache(write(cache.key, key[:, :causal]), write(cache.value, value[:, :causal]))
         filled = rows.length + causal
         row_index = rows.length + jnp.arange(x.shape[1])
@@ -62,10 +66,15 @@ class GatedAttention(nn.Module):
                              index[None, None, :] < filled)
             return (index[None, None, :] >= rows.start[:, None, None]) & upto
 
-        segments = [KeySegment(cache.key, cache.value, cache_allowed, filled)]
+        def read_cache(first, size):
+            shape = (1,) + cache.key.shape[1:2] + (size,) + cache.key.shape[3:]
+            start = (group, 0, first, 0, 0)
+            return (jax.lax.dynamic_slice(cache.key, start, shape)[0], jax.lax.dynamic_slice(cache.value, start, shape)[0])
+
+        segments = [KeySegment(read_cache, cache.key.shape[2], cache_allowed, filled)]
         if x.shape[1] > causal:
             block_allowed = lambda index: jnp.broadcast_to(~is_causal_row, (x.shape[0], x.shape[1], index.shape[0]))
-            segments.append(KeySegment(key[:, causal:], value[:, causal:], block_allowed, x.shape[1]))
+            segments.append(array_segment(key[:, causal:], value[:, causal:], block_allowed))
         if self.kernels.attention == "fused":
             out = fused_attention(query, segments, self.kernels.platform)
         else:

@@ -20,7 +20,7 @@ import numpy as np
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
 from clover_jax.kernels import choose_kernels
-from clover_jax.model import CloverTransformer, Params, PassOutput
+from clover_jax.model import CloverTransformer, Params, PassOutput, stack_groups, unstack_groups
 from clover_jax.quantization import QuantSpec
 from clover_jax.sharding import MeshPlan, ShardingRules
 from clover_jax.state import ModelState, empty_state
@@ -52,7 +52,10 @@ def run_causal(module: CloverTransformer, params: Params, input_ids: jax.Array, 
 class CloverModel:
     """A Clover / Qwen3.5-MoE text model: config, parameters and validated entry points.
 
-    Parameters are an explicit pytree (`model.params`); state is an explicit `ModelState`.
+    Parameters are an explicit pytree; state is an explicit `ModelState`. `run_params` holds them
+    in the layout `module` runs with (per layer group on CPU, stacked on accelerators; see
+    `clover_jax.model`): pass `(model.module, model.run_params)` to pure functions. `params`
+    gives the canonical stacked tree (on CPU a stacked copy, made on each access).
     """
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
@@ -60,11 +63,31 @@ class CloverModel:
         self.config = config
         self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (spec §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
-        self.params = params
         self.dtype = jnp.dtype(dtype)
         self.plan = plan  # mesh and sharding rules; None: one device
         self.kernels = choose_kernels(impl)
         self.module = CloverTransformer(config, self.dtype, self.kernels, plan)
+        self.params = params
+
+    @classmethod
+    def _adopt(cls, config: CloverConfig, params: Params, *args, **kwargs) -> "CloverModel":
+        """A model that takes ownership of freshly loaded `params` (their stacked arrays are freed
+        as they are split per group, so the model is never held twice)."""
+        model = cls.__new__(cls)
+        kernels = choose_kernels(kwargs.get("impl", "auto"))
+        if kernels.layer_loop == "unrolled":
+            params = unstack_groups(params, donate=True)
+        model.__init__(config, params, *args, **kwargs)
+        return model
+
+    @property
+    def params(self) -> Params:
+        """The parameter pytree in the canonical layout (layer parameters stacked over groups)."""
+        return stack_groups(self.run_params)
+
+    @params.setter
+    def params(self, params: Params) -> None:
+        self.run_params = unstack_groups(params) if self.kernels.layer_loop == "unrolled" else stack_groups(params)
 
     @classmethod
     def from_pretrained(
@@ -118,14 +141,14 @@ class CloverModel:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
                                                 quantize=quantize)
-        return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
+        return cls._adopt(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl=impl)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
         """Causal logits (spec §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
         ids = self.check_token_ids(input_ids, "input_ids")
         state = self.init_state(ids.shape[0], ids.shape[1])
-        return run_causal(self.module, self.params, self.place_batch(ids), state, self.chunk_size, "all")[0]
+        return run_causal(self.module, self.run_params, self.place_batch(ids), state, self.chunk_size, "all")[0]
 
     def init_state(self, batch: int, capacity: int, start=None) -> ModelState:
         """An empty prefix state holding up to `capacity` rows; `start` (int [batch]) marks left padding."""
@@ -150,7 +173,7 @@ class CloverModel:
         self._check_room(state, ids.shape[1])
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-        return run_causal(self.module, self.params, self.place_batch(ids), state, self.chunk_size, logits)
+        return run_causal(self.module, self.run_params, self.place_batch(ids), state, self.chunk_size, logits)
 
     # ------------------------------------------------------------------ block mode
     def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,
@@ -198,7 +221,7 @@ class CloverModel:
     # ------------------------------------------------------------------ helpers
     def _run(self, ids: np.ndarray, state: ModelState, num_causal: int, logits_from: int,
              coreset: bool = False, coreset_top_p: float = 1.0) -> PassOutput:
-        return run_pass(self.module, self.params, self.place_batch(ids), state, num_causal, logits_from, coreset,
+        return run_pass(self.module, self.run_params, self.place_batch(ids), state, num_causal, logits_from, coreset,
                         jnp.float32(coreset_top_p))
 
     def place_batch(self, array) -> jax.Array:

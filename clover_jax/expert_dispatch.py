@@ -1,4 +1,5 @@
-"""Routed experts as a grouped computation whose cost follows tokens × top-k.
+"""Routed experts as a grouped computation: each distinct expert's weights are read once per
+pass, and compute follows the routed (token, choice) pairs.
 
 Two implementations of one function, chosen by `KernelChoice.moe`:
 
@@ -8,17 +9,19 @@ Two implementations of one function, chosen by `KernelChoice.moe`:
   GPU, interpret mode on CPU); experts that no pair uses get no work tiles, so their weights are
   never read — with the block coreset, a denoising step reads only the coreset's experts.
 
-The XLA form:
+The XLA form loops over experts, not over pairs. The pairs are sorted by expert; an outer
+`while_loop` visits the experts that at least one pair uses (as many iterations as there are
+such experts, not one per expert of the layer), takes that expert's weights once, and an inner
+`while_loop` runs its pairs in row tiles of static height. No `lax.cond` is involved: a loop
+trip count is data, so unused experts cost nothing, and nothing is copied through a branch.
 
-The (token, choice) pairs are sorted by expert, packed into row tiles that each belong to one
-expert, and a `lax.scan` runs the expert MLP tile by tile with that expert's weights. Tiles past
-the ones in use are skipped with `lax.cond`, so work is proportional to the routed pairs, not
-to the number of experts (`jax.lax.ragged_dot` on the XLA CPU backend costs time in proportion
-to the expert count, measured in `benchmarks/`).
-
-The static tile height adapts to the load: one row per tile in decoding (each pair reads only
-its expert), up to 128 rows per tile in long prefills (matmul-sized tiles, with at most one
-partial tile per expert of padding).
+Why this shape, measured on XLA:CPU (see `docs/performance.md`): any dynamic selection of
+an expert (`take`, gather, dynamic slice) is materialised as a copy before the matmul; taken
+once per expert and reused by all of that expert's tiles, the copy stays in cache and the
+step reads each used expert from memory once. Per-pair tiles (the earlier form) re-read an
+expert for every pair routed to it, and `jax.lax.ragged_dot` there costs time in proportion to
+the expert count. The tile height adapts to the pass: one row in decoding, up to 128 rows in
+long prefills.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from pallas_kernels import grouped_matmul_for_platform
 
 
 def tile_rows_for(num_pairs: int, num_experts: int) -> int:
-    """A power of two close to a quarter of the mean rows per expert, in [1, 128]."""
-    target = max(1, num_pairs // (4 * num_experts))
+    """A power of two close to half the mean rows per expert that can be used, in [1, 128]."""
+    import os
+    div = int(os.environ.get("TILEDIV", "2"))
+    target = max(1, num_pairs // (div * min(num_experts, num_pairs)))
     return min(128, 1 << (target.bit_length() - 1))
 
 
@@ -55,47 +60,70 @@ def routed_expert_mlp(
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     num_pairs = num_tokens * top_k
-    tile_rows = tile_rows_for(num_pairs, num_experts)
-    max_tiles = min(num_pairs, -(-num_pairs // tile_rows) + min(num_experts, num_pairs))
+    hidden = tokens.shape[-1]
+    if num_tokens == 1:
+        return _single_token_mlp(tokens, expert_ids[0], expert_weights[0], gate_up_proj, down_proj)
+    # An expert holds at most one pair per token, so no expert needs a tile taller than the tokens.
+    tile_rows = min(tile_rows_for(num_pairs, num_experts), num_tokens)
 
     flat_experts = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    sorted_experts = flat_experts[order]
+    order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts (dropped pairs) sort last
     sorted_tokens = order // top_k
-
-    group_sizes = jnp.bincount(flat_experts, length=num_experts)
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
-    tiles_per_group = -(-group_sizes // tile_rows)
-    tile_ends = jnp.cumsum(tiles_per_group)
-    tiles_in_use = tile_ends[-1]
-    # Each pair's row in the tiled layout: its group's first tile, then its rank in the group.
-    rank_in_group = jnp.arange(num_pairs) - group_starts[sorted_experts]
-    padded_rows = (tile_ends - tiles_per_group)[sorted_experts] * tile_rows + rank_in_group
-    dropped = max_tiles * tile_rows  # an index past the tiled rows: scatters drop it, gathers fill 0
-    padded_rows = jnp.where(sorted_experts < num_experts, padded_rows, dropped)
-    tile_experts = jnp.minimum(jnp.searchsorted(tile_ends, jnp.arange(max_tiles), side="right"), num_experts - 1)
-
-    hidden = tokens.shape[-1]
-    packed = jnp.zeros((max_tiles * tile_rows, hidden), tokens.dtype).at[padded_rows].set(
-        tokens[sorted_tokens], mode="drop")
-    packed = packed.reshape(max_tiles, tile_rows, hidden)
-
-    def expert_mlp(rows, expert):
-        # A quantised expert is dequantised here, one expert per tile: only its weights are read.
-        gate_up = dequantize(take(gate_up_proj, expert), rows.dtype)
-        gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
-        return jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(take(down_proj, expert), rows.dtype))
-
-    def run_tile(_, tile):
-        index, rows, expert = tile
-        out = jax.lax.cond(index < tiles_in_use, expert_mlp, lambda rows, _: jnp.zeros_like(rows), rows, expert)
-        return None, out
-
-    _, outputs = jax.lax.scan(run_tile, None, (jnp.arange(max_tiles), packed, tile_experts))
-    pair_outputs = outputs.reshape(max_tiles * tile_rows, hidden).at[padded_rows].get(mode="fill", fill_value=0)
     pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
-    weighted = pair_outputs * pair_weights[:, None]
+    group_sizes = jnp.zeros(num_experts, jnp.int32).at[flat_experts].add(1, mode="drop")
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    num_used = jnp.sum(group_sizes > 0)
+    # The used experts in ascending order, padded with an unused index that is never visited.
+    used = jnp.nonzero(group_sizes, size=min(num_experts, num_pairs), fill_value=0)[0]
+
+    # Rows in expert order, with one tile of padding so that a tile may run past the last pair.
+    sorted_rows = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype).at[:num_pairs].set(tokens[sorted_tokens])
+    pair_outputs = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype)
+
+    def expert_step(carry):
+        slot, pair_outputs = carry
+        expert = used[slot]
+        # Dequantised (when quantised) and materialised once for all of this expert's tiles.
+        gate_up = dequantize(take(gate_up_proj, expert), tokens.dtype)
+        down = dequantize(take(down_proj, expert), tokens.dtype)
+        first, count = group_starts[expert], group_sizes[expert]
+
+        def tile_step(tile_carry):
+            tile, pair_outputs = tile_carry
+            offset = first + tile * tile_rows
+            rows = jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows)
+            gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
+            out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, down)
+            # Rows past this expert's pairs belong to the next expert, which is visited later
+            # and overwrites them (experts are visited in the order of their rows).
+            return tile + 1, jax.lax.dynamic_update_slice_in_dim(pair_outputs, out, offset, axis=0)
+
+        num_tiles = (count + tile_rows - 1) // tile_rows
+        _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), pair_outputs))
+        return slot + 1, pair_outputs
+
+    _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_used, expert_step, (jnp.int32(0), pair_outputs))
+    kept = jnp.where(flat_experts[order] < num_experts, pair_weights, 0)
+    weighted = pair_outputs[:num_pairs] * kept[:, None]
     return jnp.zeros_like(tokens).at[sorted_tokens].add(weighted)
+
+
+def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj):
+    """One token (an autoregressive step at batch 1): its top-k experts are distinct, so a scan
+    over the choices reads each routed expert once. token: [1, hidden]; ids, weights: [top_k]."""
+    num_experts = gate_up_proj.shape[0]
+
+    def choice(total, pair):
+        expert, weight = pair
+        held = expert < num_experts
+        expert = jnp.minimum(expert, num_experts - 1)
+        gate_up = dequantize(take(gate_up_proj, expert), token.dtype)
+        gate, up = jnp.split(jnp.einsum("mh,ih->mi", token, gate_up), 2, axis=-1)
+        out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(take(down_proj, expert), token.dtype))
+        return total + jnp.where(held, weight, 0).astype(token.dtype) * out, None
+
+    total, _ = jax.lax.scan(choice, jnp.zeros_like(token), (expert_ids, expert_weights))
+    return total
 
 
 def grouped_expert_mlp(

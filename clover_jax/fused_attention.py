@@ -16,9 +16,10 @@ from clover_jax.online_attention import KeySegment
 
 def fused_attention(query: jax.Array, segments: list[KeySegment], platform: str) -> jax.Array:
     """query: [batch, queries, heads, head_dim] -> [batch, queries, heads, head_dim]."""
-    key = jnp.concatenate([s.key.astype(query.dtype) for s in segments], axis=1)
-    value = jnp.concatenate([s.value.astype(query.dtype) for s in segments], axis=1)
-    allowed = jnp.concatenate([s.allowed(jnp.arange(s.key.shape[1])) for s in segments], axis=-1)  # [b, q, k]
+    keys, values = zip(*(s.read(0, s.length) for s in segments))
+    key = jnp.concatenate([k.astype(query.dtype) for k in keys], axis=1)
+    value = jnp.concatenate([v.astype(query.dtype) for v in values], axis=1)
+    allowed = jnp.concatenate([s.allowed(jnp.arange(s.length)) for s in segments], axis=-1)  # [b, q, k]
     out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None],
                                        implementation="cudnn" if platform == "gpu" else "xla")
     return jnp.where(jnp.any(allowed, axis=-1)[..., None, None], out, 0).astype(query.dtype)

@@ -90,8 +90,12 @@ class GatedDeltaNet(nn.Module):
     kernels: KernelChoice = KernelChoice()
 
     @nn.compact
-    def __call__(self, x: jax.Array, state: GDNState, rows: Rows) -> tuple[jax.Array, GDNState]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], state after the causal rows)."""
+    def __call__(self, x: jax.Array, stacked: GDNState, group, rows: Rows) -> tuple[jax.Array, GDNState]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], `stacked` with this layer's state
+        advanced by the causal rows).
+
+        stacked: this slot's GDN state for every group (leading [num_groups] axis); group: ours.
+        """
         config = self.config
         heads = config.linear_num_value_heads
         mixed = Linear(config.conv_dim, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
@@ -112,6 +116,7 @@ class GatedDeltaNet(nn.Module):
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
         causal, cores = self.num_causal, []
+        state = jax.tree_util.tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, group, keepdims=False), stacked)
 
         def split_qkv(activated):
             query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
@@ -134,6 +139,9 @@ class GatedDeltaNet(nn.Module):
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
+            stacked = jax.tree_util.tree_map(
+                lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(all_groups, ours.astype(all_groups.dtype),
+                                                                             group, 0), stacked, state)
             cores.append(core)
 
         if x.shape[1] > causal:
@@ -151,4 +159,4 @@ class GatedDeltaNet(nn.Module):
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
         normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
         out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
-        return out, state
+        return out, stacked

@@ -31,6 +31,7 @@ class KernelChoice:
     gdn: str = "xla"           # "xla" | "pallas"
     moe: str = "xla"           # "xla" | "pallas"
     platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
+    layer_loop: str = "scan"   # "scan" | "unrolled": how the layer groups run (`clover_jax.model`)
 
     @property
     def interpret(self) -> bool:
@@ -45,7 +46,9 @@ def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelCho
     platform = "gpu" if platform in ("cuda", "rocm", "gpu") else platform
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"unknown platform {platform!r}; expected cpu, gpu or tpu")
+    # XLA:CPU copies every slice of a stacked weight before a matmul; accelerators read it in place.
+    layer_loop = "unrolled" if platform == "cpu" else "scan"
     if impl == "xla" or (impl == "auto" and platform == "cpu"):
-        return KernelChoice(platform=platform)
+        return KernelChoice(platform=platform, layer_loop=layer_loop)
     attention = "fused" if impl == "pallas" or platform == "gpu" else "online"
-    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform)
+    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform, layer_loop=layer_loop)

@@ -1,9 +1,21 @@
 """The decoder stack: embedding, layer groups scanned with `nn.scan`, final norm, LM head.
 
 Layers come in groups that repeat the config's layer pattern — for Qwen3.6 (3 GDN + 1 full
-attention) × 10 — and the groups are scanned, so compile time does not grow with depth.
-Every parameter under `groups` therefore has a leading `[num_groups]` axis, and layer `i` of
-the checkpoint is slot `i % len(pattern)` of group `i // len(pattern)`.
+attention) × 10. Every parameter under `groups` has a leading `[num_groups]` axis in the
+canonical ("stacked") layout, and layer `i` of the checkpoint is slot `i % len(pattern)` of
+group `i // len(pattern)`. Two loops run the groups (`KernelChoice.layer_loop`):
+
+* "scan" (GPU, TPU): `nn.scan` over the stacked parameters, so compile time does not grow with
+  depth; accelerators read each group's slice of a stacked weight in place.
+* "unrolled" (CPU): a Python loop over groups whose parameters are separate arrays
+  (`params["groups"]` is a tuple of per-group trees, `unstack_groups`). XLA:CPU copies any
+  slice of a stacked weight before a matmul — measured: a matrix-vector product over slices of
+  a stacked weight reads 2–10× slower than over separate arrays — so on CPU every weight is its
+  own buffer and a decoding step reads each one once. Compile time grows with the group count.
+
+The prefix state stays stacked in both: each layer reads and writes its group's slice of the
+state by group index (`dynamic_update_slice` in place, attention reading the K/V cache block by
+block), so no pass copies a whole cache.
 
 One pass runs `num_causal` causal rows, which append to the state (prefill, commit, an
 autoregressive step), followed by block rows that are denoised against the state the causal
@@ -40,6 +52,9 @@ class PassOutput(NamedTuple):
     distinct_experts: jax.Array
 
 
+LAYER_LOOPS = ("scan", "unrolled")
+
+
 class DecoderLayer(nn.Module):
     config: CloverConfig
     layer_type: str
@@ -50,13 +65,17 @@ class DecoderLayer(nn.Module):
     plan: MeshPlan | None = None
 
     @nn.compact
-    def __call__(self, hidden: jax.Array, state: Any, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
-        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state, distinct experts [batch])."""
+    def __call__(self, hidden: jax.Array, state: Any, group, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
+        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state, distinct experts [batch]).
+
+        state: this slot's state for every group (leading [num_groups] axis); group: which one is ours.
+        """
         config = self.config
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, name=name)(mixed, state, rows)
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, name=name)(
+            mixed, state, group, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
@@ -75,15 +94,18 @@ class LayerGroup(nn.Module):
     plan: MeshPlan | None = None
 
     @nn.compact
-    def __call__(self, hidden: jax.Array, group_state: dict, rows: Rows, coreset_top_p):
-        new_state, distinct = {}, []
+    def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, coreset_top_p):
+        """carry: (hidden [batch, tokens, hidden_size], the state of every layer, stacked over groups);
+        group: this group's index. returns (the carry after the group, distinct experts [slots, batch])."""
+        hidden, layers = carry
+        layers, distinct = dict(layers), []
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
             layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, self.kernels,
                                  self.plan, name=name)
-            hidden, new_state[name], layer_distinct = layer(hidden, group_state[name], rows, coreset_top_p)
+            hidden, layers[name], layer_distinct = layer(hidden, layers[name], group, rows, coreset_top_p)
             distinct.append(layer_distinct)
-        return hidden, (new_state, jnp.stack(distinct))
+        return (hidden, layers), jnp.stack(distinct)
 
 
 class CloverTransformer(nn.Module):
@@ -111,11 +133,23 @@ class CloverTransformer(nn.Module):
         embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=default_init, name="embed_tokens")
         hidden = constrain_batch(embed(input_ids), self.plan)
-        groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
-        hidden, (layers, distinct) = groups(config, self.dtype, num_causal, coreset, self.kernels, self.plan,
-                                            name="groups")(
-            hidden, state.layers, rows, coreset_top_p)
+        group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.plan)
+        if self.kernels.layer_loop == "unrolled":
+            # params["groups"]: one tree per group, each a separate set of arrays (see the module docstring).
+            carry, distinct = (hidden, state.layers), []
+            groups = self.get_variable("params", "groups")
+            if not isinstance(groups, tuple):  # stacked parameters still run, through sliced copies
+                groups = unstack_groups({"groups": groups})["groups"]
+            for group, group_params in enumerate(groups):
+                carry, group_distinct = LayerGroup(*group_args, parent=None).apply(
+                    {"params": group_params}, carry, group, rows, coreset_top_p)
+                distinct.append(group_distinct)
+            (hidden, layers), distinct = carry, jnp.stack(distinct)
+        else:
+            groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
+                             in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
+            (hidden, layers), distinct = groups(*group_args, name="groups")(
+                (hidden, state.layers), jnp.arange(config.num_groups), rows, coreset_top_p)
         hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden[:, logits_from:])
         if config.tie_word_embeddings:
             head = embed.embedding
@@ -124,6 +158,29 @@ class CloverTransformer(nn.Module):
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
         new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
         return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
+
+
+def unstack_groups(params: Params, donate: bool = False) -> Params:
+    """The "unrolled" layout: `params["groups"]` becomes a tuple of per-group trees without the
+    group axis, each leaf its own array (a copy). donate: delete each stacked array once it is
+    split, so that the model is never held twice (for parameters nobody else holds)."""
+    if isinstance(params["groups"], tuple):
+        return params
+    leaves, treedef = jax.tree_util.tree_flatten(params["groups"])
+    per_group = [[] for _ in range(leaves[0].shape[0])]
+    for leaf in leaves:
+        for group, slices in enumerate(per_group):
+            slices.append(leaf[group])
+        if donate and isinstance(leaf, jax.Array):
+            leaf.delete()
+    return {**params, "groups": tuple(jax.tree_util.tree_unflatten(treedef, slices) for slices in per_group)}
+
+
+def stack_groups(params: Params) -> Params:
+    """The canonical ("stacked") layout from either layout."""
+    if not isinstance(params["groups"], tuple):
+        return params
+    return {**params, "groups": jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *params["groups"])}
 
 
 def param_shapes(config: CloverConfig, dtype) -> Params:

@@ -242,7 +242,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
                       jnp.full(len(prompts), new, jnp.int32), jnp.asarray(thinking), jnp.asarray(lengths - tails > 0),
                       keys, jnp.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config),
                       jnp.int32(call_id))
-    final = jax.device_get(run_block_decoder(model.module, model.params, spec, request, controls, ids))
+    final = jax.device_get(run_block_decoder(model.module, model.run_params, spec, request, controls, ids))
     jax.effects_barrier()  # every block report has reached the host
 
     eos = set(config.eos_token_id)
@@ -290,7 +290,7 @@ def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinki
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt
     tokens, generated, nfe = jax.device_get(run_autoregressive(
-        model.module, model.params, spec, jnp.asarray(prompt_ids), jnp.asarray(prompt_length - lengths, jnp.int32),
+        model.module, model.run_params, spec, jnp.asarray(prompt_ids), jnp.asarray(prompt_length - lengths, jnp.int32),
         jnp.full(len(prompts), config.max_new_tokens, jnp.int32), jnp.asarray(thinking), keys, controls, ids))
     output = GenerateOutput([], [], [], [], [], 0.0, None)
     for i in range(len(prompts)):

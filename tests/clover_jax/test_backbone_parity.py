@@ -38,10 +38,11 @@ def hf_rope_and_mask(hf_model, length: int, batch: int = 2):
 
 
 def fresh_layer_state(model: CloverModel, layer: int):
-    """An empty state of `layer` for batch 2 with room for LENGTH rows, and the rows of a full pass."""
+    """An empty state of `layer`'s slot for batch 2 with room for LENGTH rows (stacked over groups),
+    the group that is ours, and the rows of a full pass."""
     state = empty_state(model.config, 2, LENGTH, jnp.float32)
     slot = layer % len(model.config.group_pattern)
-    return jax.tree.map(lambda x: x[0], state.layers[slot_name(slot)]), rows_for(state, LENGTH)
+    return state.layers[slot_name(slot)], 0, rows_for(state, LENGTH)
 
 
 def max_difference(ours, reference: torch.Tensor) -> float:

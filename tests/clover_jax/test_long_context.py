@@ -10,7 +10,7 @@ import pytest
 from clover_jax import CloverModel
 from clover_jax.chunked import causal_pass
 from clover_jax.fused_attention import fused_attention
-from clover_jax.online_attention import KeySegment, online_attention
+from clover_jax.online_attention import array_segment, online_attention
 from clover_jax.state import empty_state
 from decoding import generate
 from tests.conftest import MASK_ID, token_ids
@@ -43,8 +43,8 @@ def attention_case(seed: int):
         return (index[None, None, :] >= start[:, None, None]) & upto
 
     block_allowed = lambda index: jnp.broadcast_to(~is_causal, (batch, queries + block, index.shape[0]))
-    segments = [KeySegment(cache_key, cache_value, cache_allowed, filled),
-                KeySegment(block_key, block_value, block_allowed, block)]
+    segments = [array_segment(cache_key, cache_value, cache_allowed, filled),
+                array_segment(block_key, block_value, block_allowed)]
     allowed = jnp.concatenate([cache_allowed(jnp.arange(capacity)), block_allowed(jnp.arange(block))], axis=-1)
     expected = plain_attention(query, jnp.concatenate([cache_key, block_key], 1),
                                jnp.concatenate([cache_value, block_value], 1), allowed)
