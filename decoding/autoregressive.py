@@ -30,6 +30,7 @@ class AutoregressiveSpec(NamedTuple):
 class AutoregressiveState(NamedTuple):
     model: Any
     logits: jax.Array     # float32 [b, vocab], for the next token
+    token: jax.Array      # int32 [b], the latest token chosen (the next forward's input)
     tokens: jax.Array     # int32 [b, max_new_tokens]
     counts: jax.Array     # int32 [b, vocab]
     finished: jax.Array   # bool [b]
@@ -42,18 +43,23 @@ class AutoregressiveState(NamedTuple):
 def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
                        start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, keys: jax.Array,
                        controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches."""
+    """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches.
+
+    Each iteration runs the forward of the latest token, then chooses the next one; the loop
+    stops once every sequence is finished, so the forward after a sequence's last token never
+    runs and the state is never an output of a `lax.cond` (which would copy the caches).
+    """
     batch = prompt_ids.shape[0]
     vocab = module.config.vocab_size
-    call = functools.partial(module.apply, {"params": params})
     model_state = empty_state(module.config, batch, spec.prompt_length + spec.max_new_tokens, module.dtype, start)
     model_state = constrain_state(model_state, module.plan)
     last_logits, model_state = causal_pass(module, params, prompt_ids, model_state, spec.chunk_size, "last")
-    initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
+    initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros(batch, jnp.int32),
+                                  jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
                                   jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),
                                   jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32), jnp.int32(0))
 
-    def body(state: AutoregressiveState) -> AutoregressiveState:
+    def choose_next(state: AutoregressiveState) -> AutoregressiveState:
         index = state.index
         think_start = jnp.where(ids.think_start >= 0, state.counts[:, jnp.maximum(ids.think_start, 0)], 0)
         think_end = jnp.where(ids.think_end >= 0, state.counts[:, jnp.maximum(ids.think_end, 0)], 0)
@@ -64,19 +70,17 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
         choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys_now)
         token = choice.token[:, 0]
         live = ~state.finished
-        tokens = state.tokens.at[:, index].set(jnp.where(live, token, 0))
-        counts = state.counts.at[jnp.arange(batch), token].add(live.astype(jnp.int32))
         lengths = state.lengths + live
         finished = state.finished | (live & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)
                                              | (lengths >= max_new_tokens)))
+        return state._replace(token=token, tokens=state.tokens.at[:, index].set(jnp.where(live, token, 0)),
+                              counts=state.counts.at[jnp.arange(batch), token].add(live.astype(jnp.int32)),
+                              finished=finished, lengths=lengths, index=index + 1)
 
-        def step(model):
-            out = call(token[:, None], model, 1, 0)
-            return out.state, out.logits[:, 0]
+    def forward(state: AutoregressiveState) -> AutoregressiveState:
+        out = module.apply({"params": params}, state.token[:, None], state.model, 1, 0)
+        return state._replace(model=out.state, logits=out.logits[:, 0], nfe=state.nfe + ~state.finished)
 
-        model, logits = jax.lax.cond(jnp.all(finished), lambda m: (m, state.logits), step, state.model)
-        nfe = state.nfe + (~finished).astype(jnp.int32)
-        return AutoregressiveState(model, logits, tokens, counts, finished, lengths, nfe, index + 1)
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens), body, initial)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens),
+                               lambda s: choose_next(forward(s)), choose_next(initial))
     return final.tokens, final.lengths, final.nfe

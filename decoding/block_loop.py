@@ -1,11 +1,25 @@
-"""The LowConfidence block-diffusion decoder of spec §4 as one jitted `jax.lax.while_loop`.
+"""The LowConfidence block-diffusion decoder of spec §4: jitted loops, and the steps they are made of.
 
 The batch moves in lockstep over blocks aligned across sequences (left padding chosen by
-`decoding.generation`). Each iteration is one model call: a denoising step of the current block,
-or — once every unfinished sequence has decided its block — the commit of that block fused
-with the first denoising step of the next. A sequence whose block is decided waits for the
-others without counting a forward pass, so its tokens, steps and NFE equal a lone run.
-The last block of a sequence is never committed: nothing would read it.
+`decoding.generation`). A block starts with one model call that commits the previous block and
+runs the first denoising step of this one (for the first block: the prefill, then a denoising
+step); denoising steps follow until every unfinished sequence has decided its block. A sequence
+whose block is decided waits for the others without counting a forward pass, so its tokens,
+steps and NFE equal a lone run. The last block of a sequence is never committed: nothing would
+read it.
+
+Shape of the loops (why): the prefix state (K/V caches, GDN states) changes only in the commit,
+once per block. The denoising steps of a block run in an inner `while_loop` that reads the
+state as a loop constant, and the commit runs once per iteration of the outer loop, so the state
+is never an output of a `lax.cond` (which would copy every cache on every step).
+
+Three drivers share these steps, so they produce the same tokens:
+* `run_block_decoder`: the whole decode in one compiled program, no host call;
+* `start_blocks` / `next_block`: one block per call, the host reading each decided block
+  (streaming, progress bars) between calls;
+* `start_steps` / `next_step`: one denoising step per call (`on_step`).
+No program holds a host callback, so every one of them can be served by JAX's persistent
+compilation cache.
 """
 
 from __future__ import annotations
@@ -22,7 +36,6 @@ from clover_jax.sharding import constrain_state
 from clover_jax.state import ModelState, empty_state
 from decoding.controls import Controls, TokenIds, choose, process
 from decoding.schedules import StepView, as_decision
-from decoding.streaming import report_closed_blocks
 
 
 class LoopSpec(NamedTuple):
@@ -35,8 +48,14 @@ class LoopSpec(NamedTuple):
     do_sample: bool
     schedule: Callable    # `decoding.schedules` signature; its parameters travel traced in `Request`
     coreset: bool
-    report_blocks: bool   # call the host once per decided block (streaming, progress)
+    history: bool         # record every step (`return_history`)
     chunk_size: int       # tokens per causal pass of the prefill
+
+    @property
+    def max_steps(self) -> int:
+        """Steps a sequence can take in all: each block at most `steps_cap` filling steps plus as many
+        post-fill (editing) steps."""
+        return self.max_blocks * 2 * self.steps_cap
 
 
 class Request(NamedTuple):
@@ -54,7 +73,21 @@ class Request(NamedTuple):
     keys: jax.Array              # PRNG keys [b]
     coreset_top_p: jax.Array     # float32 []
     schedule_params: Any         # the schedule's parameters (a pytree of traced scalars)
-    call_id: jax.Array           # int32 []: whose listener gets the decided blocks
+
+
+class History(NamedTuple):
+    """Every denoising step of every sequence (spec §7), filled inside the loop when requested.
+    S = `LoopSpec.max_steps`; rows past a sequence's `num_steps` are padding."""
+
+    block_index: jax.Array       # int32 [b, S]
+    masked_before: jax.Array     # bool [b, S, B]
+    candidate: jax.Array         # int32 [b, S, B]
+    confidence: jax.Array        # float32 [b, S, B]
+    margin: jax.Array            # float32 [b, S, B]
+    entropy: jax.Array           # float32 [b, S, B]
+    filled: jax.Array            # bool [b, S, B]: a mask that became a token in this step
+    changed: jax.Array           # bool [b, S, B]: a decided token replaced or remasked
+    num_steps: jax.Array         # int32 [b]
 
 
 class Results(NamedTuple):
@@ -66,6 +99,7 @@ class Results(NamedTuple):
     fill_confidence: jax.Array
     distinct_experts: jax.Array
     nfe: jax.Array
+    history: History | None
 
 
 class LoopState(NamedTuple):
@@ -77,7 +111,6 @@ class LoopState(NamedTuple):
     step: jax.Array              # int32 [b]: denoising steps taken in the current block
     open: jax.Array              # bool [b]: the current block still takes steps
     post_fill: jax.Array         # int32 [b]: steps of the current block that began with no mask
-    commit_pending: jax.Array    # bool []
     counts: jax.Array            # int32 [b, vocab]: response tokens so far (committed + filled)
     finished: jax.Array          # bool [b]
     tokens: jax.Array            # int32 [b, max_blocks, B]: each decoded block as decided
@@ -86,109 +119,208 @@ class LoopState(NamedTuple):
     fill_confidence: jax.Array   # float32 [b, max_blocks, B]
     distinct_experts: jax.Array  # float32 [b, max_blocks]: summed over steps, mean over layers
     nfe: jax.Array               # int32 [b]
-    iterations: jax.Array        # int32 []
+    history: History | None
+    last_step: Any               # the record of the latest step (for `on_step`), or None
 
 
-@functools.partial(jax.jit, static_argnames=("module", "spec"))
-def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
-                      controls: Controls, ids: TokenIds) -> Results:
-    """Prefill, then denoise and commit blocks until every sequence is finished."""
-    batch, size = request.first_block.shape
-    vocab = module.config.vocab_size
-    capacity = (spec.prefix_blocks + spec.max_blocks) * size
-    model_state = empty_state(module.config, batch, capacity, module.dtype, request.start)
-    model_state = constrain_state(model_state, module.plan)
-    call = functools.partial(module.apply, {"params": params})
-    if spec.prefix_blocks:
-        _, model_state = causal_pass(module, params, request.prefix_ids, model_state, spec.chunk_size)
+class Decoder(NamedTuple):
+    """Everything static or shared by the steps of one decode."""
 
+    module: CloverTransformer
+    params: Any
+    spec: LoopSpec
+    request: Request
+    controls: Controls
+    ids: TokenIds
+
+
+# ---------------------------------------------------------------------- steps
+def _denoise_logits(d: Decoder, state: LoopState):
+    out = d.module.apply({"params": d.params}, state.block, state.model, 0, 0, d.spec.coreset,
+                         d.request.coreset_top_p)
+    return out.logits, out.distinct_experts
+
+
+def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
+    """Decide positions of every active sequence's block from one forward's logits ([b, B, V])."""
+    spec, request, controls, ids = d.spec, d.request, d.controls, d.ids
+    batch, size = state.block.shape
     rows = jnp.arange(size)
-    initial = LoopState(
+    block_iter, step, decided, fixed, current = state.block_iter, state.step, state.decided, state.fixed, state.block
+    active = ~state.finished & state.open
+    response_index = request.response_base[:, None] + block_iter * size + rows[None, :]
+    is_response = response_index >= 0
+
+    thinking = (request.prompt_thinking | (_count(state.counts, ids.think_start) > 0)) & \
+        (_count(state.counts, ids.think_end) == 0)
+    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
+        logits, state.counts, response_index, thinking, controls, ids)
+    keys = jax.vmap(lambda key, s: jax.random.fold_in(jax.random.fold_in(key, block_iter), s))(request.keys, step)
+    choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
+    full_before = jnp.all(decided, axis=-1)
+    view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
+                    request.prompt_length[:, None] + response_index, step, block_iter, jnp.int32(spec.steps_cap),
+                    state.post_fill, controls.threshold, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
+    per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, 0, None, 0)
+    decision = as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params))
+    forced = decision.decided | fixed | (step[:, None] + 1 >= spec.steps_cap)
+    after = jnp.where(active[:, None], forced, decided)
+    filled, remasked = after & ~decided, decided & ~after
+    edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
+    block = jnp.where(filled | edited, choice.token, jnp.where(remasked, ids.mask, current))
+    counted = is_response.astype(jnp.int32)
+    added, removed = (filled | edited) * counted, (remasked | edited) * counted
+    batch_rows = jnp.arange(batch)[:, None]
+    counts = state.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
+    new_step = step + active
+    slot = (jnp.arange(batch), block_iter)
+    fill_step = state.fill_step.at[slot].set(jnp.where(filled, new_step[:, None], state.fill_step[slot]))
+    fill_confidence = state.fill_confidence.at[slot].set(
+        jnp.where(filled, choice.confidence, state.fill_confidence[slot]))
+    distinct_experts = state.distinct_experts.at[slot].add(
+        jnp.where(active, jnp.mean(distinct.astype(jnp.float32), axis=0), 0.0))
+
+    # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
+    keep_open = decision.keep_open & (state.post_fill + full_before < spec.steps_cap)
+    closing = active & jnp.all(after, axis=-1) & ~keep_open
+    tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], block, state.tokens[slot]))
+    steps_per_block = state.steps_per_block.at[slot].set(jnp.where(closing, new_step, state.steps_per_block[slot]))
+    inside = is_response & (response_index < request.max_new_tokens[:, None])
+    has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
+    reached = request.response_base + (block_iter + 1) * size >= request.max_new_tokens
+    finished = state.finished | (closing & (has_eos | reached))
+
+    record = dict(active=active, block_index=block_iter, masked_before=~decided, candidate=choice.token,
+                  confidence=choice.confidence, margin=choice.margin, entropy=choice.entropy,
+                  filled=filled & active[:, None], changed=(edited | remasked) & active[:, None])
+    history = state.history
+    if spec.history:
+        history = _record(history, record, active)
+    return state._replace(
+        block=block, decided=after, step=new_step, open=state.open & ~closing,
+        post_fill=state.post_fill + (active & full_before), counts=counts, finished=finished, tokens=tokens,
+        steps_per_block=steps_per_block, fill_step=fill_step, fill_confidence=fill_confidence,
+        distinct_experts=distinct_experts, nfe=state.nfe + active, history=history,
+        last_step=record if state.last_step is not None else None)
+
+
+def _record(history: History, record: dict, active: jax.Array) -> History:
+    """Write this step's row for every active sequence at its own step count."""
+    batch = active.shape[0]
+    index = jnp.where(active, history.num_steps, history.block_index.shape[1])  # inactive: dropped
+    put = lambda buffer, value: buffer.at[jnp.arange(batch), index].set(value, mode="drop")
+    block_index = jnp.broadcast_to(record["block_index"], (batch,))
+    return History(put(history.block_index, block_index), *(
+        put(getattr(history, name), record[name]) for name in History._fields[1:-1]),
+        history.num_steps + active)
+
+
+def _denoise_step(d: Decoder, state: LoopState) -> LoopState:
+    return _apply_step(d, state, *_denoise_logits(d, state))
+
+
+def _commit_step(d: Decoder, state: LoopState) -> LoopState:
+    """Commit the decided block and run the first denoising step of the next, in one forward."""
+    size = d.spec.block_size
+    masks = jnp.full_like(state.block, d.ids.mask)
+    out = d.module.apply({"params": d.params}, jnp.concatenate([state.block, masks], axis=1), state.model, size,
+                         size, d.spec.coreset, d.request.coreset_top_p)
+    none = jnp.zeros_like(state.decided)
+    state = state._replace(model=out.state, block=masks, decided=none, fixed=none, block_iter=state.block_iter + 1,
+                           step=jnp.zeros_like(state.step), open=~state.finished,
+                           post_fill=jnp.zeros_like(state.post_fill))
+    return _apply_step(d, state, out.logits, out.distinct_experts)
+
+
+def _finish_block(d: Decoder, state: LoopState) -> LoopState:
+    """Denoising steps until no unfinished sequence has its block open (the state is read only)."""
+    limit = 2 * d.spec.steps_cap
+    state, _ = jax.lax.while_loop(lambda c: jnp.any(c[0].open & ~c[0].finished) & (c[1] < limit),
+                                  lambda c: (_denoise_step(d, c[0]), c[1] + 1), (state, jnp.int32(0)))
+    return state
+
+
+def _start(d: Decoder, track_steps: bool) -> LoopState:
+    """The prefill and the first denoising step of the first block."""
+    spec, request = d.spec, d.request
+    batch, size = request.first_block.shape
+    vocab = d.module.config.vocab_size
+    capacity = (spec.prefix_blocks + spec.max_blocks) * size
+    model_state = empty_state(d.module.config, batch, capacity, d.module.dtype, request.start)
+    model_state = constrain_state(model_state, d.module.plan)
+    if spec.prefix_blocks:
+        _, model_state = causal_pass(d.module, d.params, request.prefix_ids, model_state, spec.chunk_size)
+    history = None
+    if spec.history:
+        steps = spec.max_steps
+        zeros = lambda dtype, *shape: jnp.zeros((batch, steps) + shape, dtype)
+        history = History(zeros(jnp.int32), zeros(bool, size), zeros(jnp.int32, size), zeros(jnp.float32, size),
+                          zeros(jnp.float32, size), zeros(jnp.float32, size), zeros(bool, size), zeros(bool, size),
+                          jnp.zeros(batch, jnp.int32))
+    state = LoopState(
         model=model_state, block=request.first_block, decided=request.fixed, fixed=request.fixed,
         block_iter=jnp.int32(0), step=jnp.zeros(batch, jnp.int32), open=jnp.ones(batch, bool),
-        post_fill=jnp.zeros(batch, jnp.int32), commit_pending=jnp.bool_(False),
-        counts=jnp.zeros((batch, vocab), jnp.int32), finished=jnp.zeros(batch, bool),
-        tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
+        post_fill=jnp.zeros(batch, jnp.int32), counts=jnp.zeros((batch, vocab), jnp.int32),
+        finished=jnp.zeros(batch, bool), tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
         steps_per_block=jnp.zeros((batch, spec.max_blocks), jnp.int32),
         fill_step=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
         fill_confidence=jnp.zeros((batch, spec.max_blocks, size), jnp.float32),
         distinct_experts=jnp.zeros((batch, spec.max_blocks), jnp.float32),
-        nfe=request.has_prefix.astype(jnp.int32), iterations=jnp.int32(0))
+        nfe=request.has_prefix.astype(jnp.int32), history=history,
+        last_step={} if track_steps else None)  # not None: every step leaves its record there
+    return _denoise_step(d, state)
 
-    def denoise(state: LoopState):
-        out = call(state.block, state.model, 0, 0, spec.coreset, request.coreset_top_p)
-        return out.logits, out.distinct_experts, state.model, state.block, state.decided, state.fixed, \
-            state.block_iter, state.step, state.open, state.post_fill
 
-    def commit_and_denoise(state: LoopState):
-        masks = jnp.full_like(state.block, ids.mask)
-        out = call(jnp.concatenate([state.block, masks], axis=1), state.model, size, size, spec.coreset,
-                   request.coreset_top_p)
-        none = jnp.zeros_like(state.decided)
-        return out.logits, out.distinct_experts, out.state, masks, none, none, state.block_iter + 1, \
-            jnp.zeros_like(state.step), jnp.ones_like(state.open), jnp.zeros_like(state.post_fill)
+def results(state: LoopState) -> Results:
+    return Results(state.tokens, state.steps_per_block, state.fill_step, state.fill_confidence,
+                   state.distinct_experts, state.nfe, state.history)
 
-    def body(state: LoopState) -> LoopState:
-        logits, distinct, model, current, decided, fixed, block_iter, step, open_, post_fill = jax.lax.cond(
-            state.commit_pending, commit_and_denoise, denoise, state)
-        active = ~state.finished & open_
-        response_index = request.response_base[:, None] + block_iter * size + rows[None, :]
-        is_response = response_index >= 0
 
-        thinking = (request.prompt_thinking | (_count(state.counts, ids.think_start) > 0)) & \
-            (_count(state.counts, ids.think_end) == 0)
-        processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
-            logits, state.counts, response_index, thinking, controls, ids)
-        keys = jax.vmap(lambda key, s: jax.random.fold_in(jax.random.fold_in(key, block_iter), s))(
-            request.keys, step)
-        choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
-        full_before = jnp.all(decided, axis=-1)
-        view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
-                        request.prompt_length[:, None] + response_index, step, block_iter, jnp.int32(spec.steps_cap),
-                        post_fill, controls.threshold, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
-        per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, 0, None, 0)
-        decision = as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params))
-        forced = decision.decided | fixed | (step[:, None] + 1 >= spec.steps_cap)
-        after = jnp.where(active[:, None], forced, decided)
-        filled, remasked = after & ~decided, decided & ~after
-        edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
-        block = jnp.where(filled | edited, choice.token, jnp.where(remasked, ids.mask, current))
-        counted = is_response.astype(jnp.int32)
-        added, removed = (filled | edited) * counted, (remasked | edited) * counted
-        batch_rows = jnp.arange(batch)[:, None]
-        counts = state.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
-        step = step + active
-        slot = (jnp.arange(batch), block_iter)
-        fill_step = state.fill_step.at[slot].set(jnp.where(filled, step[:, None], state.fill_step[slot]))
-        fill_confidence = state.fill_confidence.at[slot].set(
-            jnp.where(filled, choice.confidence, state.fill_confidence[slot]))
-        distinct_experts = state.distinct_experts.at[slot].add(
-            jnp.where(active, jnp.mean(distinct.astype(jnp.float32), axis=0), 0.0))
+def _all_finished(state: LoopState) -> jax.Array:
+    return jnp.all(state.finished)
 
-        # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
-        keep_open = decision.keep_open & (post_fill + full_before < spec.steps_cap)
-        closing = active & jnp.all(after, axis=-1) & ~keep_open
-        open_ = open_ & ~closing
-        post_fill = post_fill + (active & full_before)
-        tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], block, state.tokens[slot]))
-        steps_per_block = state.steps_per_block.at[slot].set(jnp.where(closing, step, state.steps_per_block[slot]))
-        inside = is_response & (response_index < request.max_new_tokens[:, None])
-        has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
-        reached = request.response_base + (block_iter + 1) * size >= request.max_new_tokens
-        finished = state.finished | (closing & (has_eos | reached))
-        if spec.report_blocks:
-            jax.lax.cond(jnp.any(closing), lambda: jax.debug.callback(
-                report_closed_blocks, request.call_id, closing, block, block_iter, request.response_base,
-                ordered=True), lambda: None)
-        waiting = finished | ~open_
-        return LoopState(model, block, after, fixed, block_iter, step, open_, post_fill,
-                         jnp.all(waiting) & ~jnp.all(finished), counts, finished, tokens, steps_per_block, fill_step,
-                         fill_confidence, distinct_experts, state.nfe + active, state.iterations + 1)
 
-    limit = spec.max_blocks * (2 * spec.steps_cap + 1)
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.iterations < limit), body, initial)
-    return Results(final.tokens, final.steps_per_block, final.fill_step, final.fill_confidence,
-                   final.distinct_experts, final.nfe)
+# ---------------------------------------------------------------------- drivers
+_STATIC = ("module", "spec")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
+                      controls: Controls, ids: TokenIds) -> Results:
+    """Prefill, then denoise and commit blocks until every sequence is finished: one program."""
+    d = Decoder(module, params, spec, request, controls, ids)
+    state = _finish_block(d, _start(d, track_steps=False))
+    state = jax.lax.while_loop(lambda s: ~_all_finished(s), lambda s: _finish_block(d, _commit_step(d, s)), state)
+    return results(state)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def start_blocks(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
+    """Prefill and decide the first block (host-driven decoding, one block per call)."""
+    d = Decoder(module, params, spec, request, controls, ids)
+    return _finish_block(d, _start(d, track_steps=False))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def next_block(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
+               state: LoopState) -> LoopState:
+    """Commit the decided block and decide the next one."""
+    d = Decoder(module, params, spec, request, controls, ids)
+    return _finish_block(d, _commit_step(d, state))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def start_steps(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
+    """Prefill and the first denoising step (host-driven decoding, one step per call)."""
+    return _start(Decoder(module, params, spec, request, controls, ids), track_steps=True)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("commit",), donate_argnames=("state",))
+def next_step(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
+              state: LoopState, commit: bool) -> LoopState:
+    """One more forward: the next denoising step, or (`commit`) the commit fused with the next block's first."""
+    d = Decoder(module, params, spec, request, controls, ids)
+    return _commit_step(d, state) if commit else _denoise_step(d, state)
 
 
 def _count(counts: jax.Array, token: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +30,12 @@ from tqdm.auto import tqdm
 
 from clover_jax import memory
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
-from decoding.block_loop import LoopSpec, Request, run_block_decoder
+from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
+                                 start_blocks, start_steps)
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
 from decoding.schedules import resolve, resolve_params
-from decoding.streaming import BlockListener, register, unregister
+from decoding.streaming import BlockListener, BlockReporter
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class GenerateOutput:
     distinct_experts_per_block: list[list[float]]
     wall_time: float
     trajectory: list[dict[str, list]] | None = None
+    history: History | None = None  # with return_history=True: every denoising step, NumPy arrays [b, S, ...]
 
 
 def bucket(count: int, step: int) -> int:
@@ -67,20 +69,34 @@ def bucket(count: int, step: int) -> int:
 
 def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
              key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
-             on_block: BlockListener | None = None, progress: bool = False, **overrides: Any) -> GenerateOutput:
-    """Decode a response to each prompt (spec §4, §6).
+             return_history: bool = False, on_block: BlockListener | None = None, streamer: Any = None,
+             on_step: Callable[[dict], None] | None = None, progress: bool = False,
+             **overrides: Any) -> GenerateOutput:
+    """Decode a response to each prompt (spec §4, §6, §7).
 
     prompts: token ids per prompt; generation_config: defaults to the checkpoint's
     `generation_config.json`; overrides: GenerationConfig fields; key: PRNG key for sampling
     (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion" or "autoregressive".
+
+    Diffusion mode only:
     on_block(prompt index, response tokens of the block, block number) is called on the host as
-    each block is decided (diffusion mode; one host call per block, none per step); progress
-    shows a progress bar of response tokens decided. Every check runs before anything is compiled.
+    each block is decided; streamer: a transformers-style streamer (`put(ids)`, `end()`, one
+    prompt), e.g. `decoding.streaming.TextStreamer`; progress: a progress bar of response tokens.
+    These are cut at the first EOS and at max_new_tokens, and decode one block per compiled call.
+    on_step(record) receives every denoising step's record (NumPy arrays over the batch: active,
+    block_index, masked_before, candidate, confidence, margin, entropy, filled, changed), one
+    compiled call per step. return_history: `out.history`, every step recorded inside the loop.
+    Without any of them the whole decode is one compiled program. Every check runs before
+    anything is compiled; an exception raised by a listener reaches the caller as it is.
     """
     config = _resolve_config(model, generation_config, overrides)
     prompts = _check_prompts(model, prompts, config, mode)
-    if (return_trajectory or on_block or progress) and mode == "autoregressive":
-        raise ValueError("return_trajectory, on_block and progress are for diffusion decoding")
+    listening = on_block is not None or streamer is not None or progress or on_step is not None
+    if (return_trajectory or return_history or listening) and mode == "autoregressive":
+        raise ValueError("return_trajectory, return_history, on_block, streamer, on_step and progress are for "
+                         "diffusion decoding")
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(f"streamer must have put(ids) and end() methods, got {type(streamer).__name__}")
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
     base_key = key if key is not None else jax.random.key(0)
@@ -91,13 +107,11 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     if mode == "autoregressive":
         output = _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking)
     else:
-        listener, bar = _block_listener(on_block, progress, len(prompts) * config.max_new_tokens)
-        call_id = register(listener) if listener else 0
+        bar = tqdm(total=len(prompts) * config.max_new_tokens, unit="tok", desc="decoding") if progress else None
         try:
             output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory,
-                                         call_id)
+                                         return_history, on_block, streamer, on_step, bar)
         finally:
-            unregister(call_id)
             if bar is not None:
                 bar.close()
     output.wall_time = time.perf_counter() - started
@@ -192,23 +206,8 @@ def _prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
 
 
 # ---------------------------------------------------------------------- diffusion
-def _block_listener(on_block, progress: bool, total_tokens: int):
-    """The host listener for decided blocks: the user's callback and/or a progress bar."""
-    if not on_block and not progress:
-        return None, None
-    bar = tqdm(total=total_tokens, unit="tok", desc="decoding") if progress else None
-
-    def listener(index: int, tokens: list, block_number: int) -> None:
-        if bar is not None:
-            bar.update(len(tokens))
-        if on_block is not None:
-            on_block(index, tokens, block_number)
-
-    return listener, bar
-
-
-def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory,
-                        call_id: int) -> GenerateOutput:
+def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory, return_history,
+                        on_block, streamer, on_step, bar) -> GenerateOutput:
     size, new = config.block_size, config.max_new_tokens
     lengths = np.array([len(p) for p in prompts])
     if config.block_alignment == "absolute":
@@ -222,8 +221,8 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     chunk_blocks = max(1, model.chunk_size // size)
     prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
     spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
-                    config.do_sample,
-                    resolve(config.schedule), _coreset(model, config), call_id != 0, model.chunk_size)
+                    config.do_sample, resolve(config.schedule), _coreset(model, config), return_history,
+                    model.chunk_size)
 
     prefix_length = prefix_bucket * size
     _check_memory(model, len(prompts), prefix_length + spec.max_blocks * size, size)
@@ -237,17 +236,59 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
         first_block[i, :tails[i]] = prompt[len(prompt) - tails[i]:]
     fixed = np.arange(size)[None, :] < tails[:, None]
     coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
-    request = Request(jnp.asarray(prefix_ids), jnp.asarray(first_block), jnp.asarray(fixed), jnp.asarray(start),
-                      jnp.asarray(-tails, jnp.int32), jnp.asarray(lengths, jnp.int32),
-                      jnp.full(len(prompts), new, jnp.int32), jnp.asarray(thinking), jnp.asarray(lengths - tails > 0),
-                      keys, jnp.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config),
-                      jnp.int32(call_id))
-    final = jax.device_get(run_block_decoder(model.module, model.run_params, spec, request, controls, ids))
-    jax.effects_barrier()  # every block report has reached the host
+    request = Request(prefix_ids, first_block, fixed, start, (-tails).astype(np.int32), lengths.astype(np.int32),
+                      np.full(len(prompts), new, np.int32), thinking, lengths - tails > 0, keys,
+                      np.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config))
+    args = (model.module, model.run_params, spec, request, controls, ids)
+    reporter = None
+    if on_block is not None or streamer is not None or bar is not None:
+        reporter = BlockReporter(prompts, tails, new, config.eos_token_id, on_block, streamer, bar)
+    try:
+        if on_step is not None:
+            final = _drive_steps(args, on_step, reporter)
+        elif reporter is not None:
+            final = _drive_blocks(args, reporter)
+        else:
+            final = jax.device_get(run_block_decoder(*args))
+    finally:
+        if reporter is not None:
+            reporter.close()
+    return _diffusion_output(final, tails, new, config, return_trajectory)
 
+
+def _drive_blocks(args, reporter: BlockReporter):
+    """One compiled call per block, the host reporting each decided block in between."""
+    state = start_blocks(*args)
+    block_number = 0
+    while True:
+        finished, block = jax.device_get((state.finished, state.tokens[:, block_number]))
+        reporter.report(block_number, block, np.ones_like(finished))
+        if finished.all():
+            return jax.device_get(results(state))
+        state = next_block(*args, state)
+        block_number += 1
+
+
+def _drive_steps(args, on_step, reporter: BlockReporter | None):
+    """One compiled call per denoising step, the host receiving each step's record."""
+    state = start_steps(*args)
+    while True:
+        record, finished, open_, block_number, steps = jax.device_get(
+            (state.last_step, state.finished, state.open, state.block_iter, state.steps_per_block))
+        on_step(record)
+        waiting = ~open_ | finished
+        if reporter is not None and waiting.all():
+            closed = steps[:, int(block_number)] > 0
+            reporter.report(int(block_number), np.asarray(jax.device_get(state.tokens[:, int(block_number)])), closed)
+        if finished.all():
+            return jax.device_get(results(state))
+        state = next_step(*args, state, commit=bool(waiting.all()))
+
+
+def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -> GenerateOutput:
     eos = set(config.eos_token_id)
     output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
-    for i in range(len(prompts)):
+    for i in range(len(tails)):
         closed = int(np.sum(final.steps_per_block[i] > 0))
         flat = lambda array: np.asarray(array[i, :closed]).reshape(-1)[tails[i]:tails[i] + new]
         response = flat(final.tokens).tolist()
@@ -262,6 +303,10 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
         if return_trajectory:
             output.trajectory.append({"step": flat(final.fill_step)[:cut].tolist(),
                                       "confidence": flat(final.fill_confidence)[:cut].tolist()})
+    if final.history is not None:
+        used = int(np.max(final.history.num_steps))
+        output.history = History(*(np.asarray(field)[:, :used] for field in final.history[:-1]),
+                                 np.asarray(final.history.num_steps))
     return output
 
 
