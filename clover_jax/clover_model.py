@@ -19,6 +19,7 @@ import numpy as np
 
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
+from clover_jax.hub import resolve_checkpoint
 from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput
 from clover_jax.quantization import QuantSpec
@@ -79,9 +80,14 @@ class CloverModel:
         rules: ShardingRules | None = None,
         impl: str = "auto",
         quantize: "QuantSpec | str | None" = None,
+        revision: str | None = None,
     ) -> "CloverModel":
-        """Load a Hugging Face layout checkpoint directory, or an Orbax directory written by
-        `weights.convert_to_orbax` (restored straight into the mesh's shardings).
+        """Load a Hugging Face layout checkpoint — a local directory or a Hub id such as
+        "org/name" (`clover_jax.hub`: only the files clover-jax reads are downloaded, into the Hub
+        cache) — or an Orbax directory written by `weights.convert_to_orbax` (local only, restored
+        straight into the mesh's shardings).
+
+        revision: branch, tag or commit of a Hub id (default: its main branch).
 
         dtype: parameter and activation dtype; None keeps the checkpoint's (e.g. bfloat16).
         mesh: a (data, expert, tensor) mesh (`clover_jax.make_mesh`); each parameter is placed
@@ -100,11 +106,13 @@ class CloverModel:
         """
         from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
 
-        config = CloverConfig.from_pretrained(path)
+        # the small files first: a bad config.json is refused before any weights are downloaded
+        config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
         choose_kernels(impl)  # a bad impl is refused before reading weights
         plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
         sharding_for = None if plan is None else plan.param_sharding
         quantize = QuantSpec.parse(quantize)
+        path = resolve_checkpoint(path, revision, weights=True)
         if orbax_checkpoint.is_orbax_checkpoint(path):
             if quantize is not None:
                 raise ValueError("quantize applies while reading safetensors; load the Orbax directory unquantised "
