@@ -81,6 +81,7 @@ class CloverModel:
         impl: str = "auto",
         quantize: "QuantSpec | str | None" = None,
         revision: str | None = None,
+        check_finite: bool = True,
     ) -> "CloverModel":
         """Load a Hugging Face layout checkpoint — a local directory or a Hub id such as
         "org/name" (`clover_jax.hub`: only the files clover-jax reads are downloaded, into the Hub
@@ -103,6 +104,8 @@ class CloverModel:
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
             the spec §2 defaults for them.
         chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
+        check_finite: refuse weights holding NaN or Inf (`weights.CheckpointError` naming the
+            tensor), checked on each tensor as it is read; False skips the check.
         """
         from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
 
@@ -121,11 +124,11 @@ class CloverModel:
                 raise ValueError("name_map applies to safetensors checkpoints; an Orbax directory (from "
                                  "weights.convert_to_orbax) already holds the parameters under their own names")
             params, report = orbax_checkpoint.load_orbax_params(path, config, sharding_for=sharding_for, dtype=dtype,
-                                                                progress=progress)
+                                                                progress=progress, check_finite=check_finite)
         else:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
-                                                quantize=quantize)
+                                                quantize=quantize, check_finite=check_finite)
         return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
 
     # ------------------------------------------------------------------ causal mode
