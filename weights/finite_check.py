@@ -8,9 +8,10 @@ The check is a bandwidth-bound pass over memory. For 16-bit floats it reads the 
 is NaN or Inf exactly when its bits with the sign cleared are at least those of +Inf, so one
 AND and one max over an unsigned view decide a chunk (numpy's `isfinite` on bfloat16 and
 float16 is several times slower); for 32- and 64-bit floats `isfinite` is fastest. Chunks of
-CHUNK_BYTES bound the scratch memory and stay in cache. Measured on this project's 2-core CPU
-machine: about 8 GB/s for bfloat16 and 16 GB/s for float32, well above the rate at which
-checkpoints are read from disk.
+CHUNK_BYTES bound the scratch memory and stay in cache. Measured on one core of a shared
+2-core CPU machine: 8-13 GB/s for bfloat16 and 16-19 GB/s for float32, above the rate at which
+checkpoints are read from disk (a 0.38 GB bfloat16 checkpoint loaded from a warm page cache in
+about 0.14 s without the check and 0.18 s with it).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def load_params(
     `quantize` ("int8", "int4", a `QuantSpec`): quantise the routed experts (and with `+dense` the
     dense projections) as each parameter is read, so the float model is never held whole.
     `check_finite`: refuse a tensor holding NaN or Inf (CheckpointError naming it), checked on each
-    tensor as it is read, in the dtype it is loaded in (`weights.finite_check`; about 8 GB/s on
+    tensor as it is read, in the dtype it is loaded in (`weights.finite_check`; 8-13 GB/s on
     bfloat16 on one CPU core). False skips the check.
     """
     quantize = quant_spec_for(config, quantize)  # a bad int4 group is refused before any file is opened
