@@ -32,7 +32,7 @@ def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as handle:
             value = json.load(handle)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise ConfigError(f"{path} is not valid JSON: {error}") from None
     except RecursionError:  # json's decoder recurses once per nesting level
         raise ConfigError(f"{path} is not valid JSON: nested too deeply") from None
@@ -63,7 +63,10 @@ def show(value: Any) -> str:
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
-        text = repr(value)
+        try:
+            text = repr(value)
+        except ValueError:  # an integer too long to print
+            text = f"a {type(value).__name__} too long to show"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -137,6 +137,7 @@ def test_wrong_json_types_are_config_errors_naming_the_field(qwen36_checkpoint, 
     (b'{"model_type": "\xff\xfe"}', "is not valid JSON"),
     (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON"),
     (b"null", "must hold a JSON object"),
+    (b'{"hidden_size": ' + b"9" * 5000 + b"}", "is not valid JSON"),
 ])
 def test_unreadable_config_json_is_a_config_error(tmp_path, content, message):
     (tmp_path / "config.json").write_bytes(content)
