@@ -281,3 +281,27 @@ def test_the_sliced_reader_of_sharded_loading_checks_each_slice(checkpoint_copy)
             read_sharded(files, shape, np.dtype(np.float32), sharding, parts)
         array, _ = read_sharded(files, shape, np.dtype(np.float32), sharding, parts, check_finite=False)
     assert np.isnan(np.asarray(array)[0, 2, 2])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_finite_check_agrees_with_numpy_on_host_and_on_device(dtype):
+    """The host reading of the bits, and the on-device reduction accelerators use, against
+    numpy's isfinite in float32, for every special value and random normals."""
+    import ml_dtypes
+
+    from weights.finite_check import _all_finite_on_device, all_finite
+
+    numpy_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    clean = np.random.RandomState(0).randn(3, 1000).astype(numpy_dtype)
+    tiny = np.array([np.finfo(np.float32).tiny, -0.0, 0.0], np.float32).astype(numpy_dtype)
+    cases = [clean, tiny, np.array([], numpy_dtype)]
+    for special in (np.nan, -np.nan, np.inf, -np.inf):
+        damaged = clean.copy()
+        damaged[2, 999] = special
+        cases.append(damaged)
+    for array in cases:
+        expected = bool(np.isfinite(array.astype(np.float32)).all())
+        assert all_finite(array) == expected
+        assert all_finite(array[:, ::3] if array.ndim == 2 else array) == bool(
+            np.isfinite((array[:, ::3] if array.ndim == 2 else array).astype(np.float32)).all())
+        assert bool(_all_finite_on_device(jax.numpy.asarray(array))) == expected
