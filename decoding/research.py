@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from decoding import schedules as schedule_registry
@@ -160,7 +162,8 @@ class SweepRecord:
 def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int] | None = None,
           task: "Task | str | os.PathLike" = "sort", *, tokenizer=None, generation_config: GenerationConfig | None = None,
           batch_size: int | None = None, output: "str | os.PathLike | Sequence[str | os.PathLike] | None" = None,
-          warmup: bool = True, progress: bool = True, **overrides: Any) -> list[SweepRecord]:
+          warmup: bool = True, share_compilation: bool = True, progress: bool = True,
+          **overrides: Any) -> list[SweepRecord]:
     """Decode `task` under every schedule × parameter setting × block size; one record per cell.
 
     schedules: names (or schedule functions) with their defaults, or a mapping from a name (or
@@ -169,7 +172,9 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
     tokenizer at the model's path), a path to a JSONL of {"prompt", "answer"} lines, or a `Task`.
     overrides: GenerationConfig fields for every cell. output: .jsonl / .csv path(s) the records
     are written to. warmup: decode the first batch once, untimed, before each compiled group
-    (schedule × block size), so that wall times leave compilation out.
+    (schedule × block size), so that wall times leave compilation out. share_compilation: the named
+    schedules of the sweep run through one `ScheduleSwitch`, so the decoder compiles once per block
+    size rather than once per schedule and block size (the decisions are the same).
 
     Every cell is checked (schedule names, parameter names, types and ranges, block sizes, the
     generation config) before anything is decoded.
@@ -188,13 +193,18 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
             raise ValueError(f"output {str(path)!r} must end in .jsonl or .csv")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    grids = _schedule_grids(schedules)
+    named = [schedule for _, schedule, _ in grids if isinstance(schedule, str)]
+    switch = ScheduleSwitch(named) if share_compilation and len(named) > 1 else None
     plan = []  # (label, schedule, given params, config) per cell, block size outermost within a schedule
-    for label, schedule, grid in _schedule_grids(schedules):
+    for label, schedule, grid in grids:
         for size in sizes:
             for params in grid:
                 config = base.replace(block_size=size, max_new_tokens=max_new_tokens, schedule=schedule,
                                       schedule_params=params)
                 schedule_registry.resolve_params(schedule, params, config)
+                if switch is not None and isinstance(schedule, str):
+                    config = config.replace(schedule=switch, schedule_params=switch.params(schedule, params, config))
                 plan.append((label, schedule, params, config))
 
     records = []
@@ -202,10 +212,11 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
     bar = tqdm(total=len(plan), desc=f"sweep {task.name}", unit="cell", disable=not progress)
     try:
         for label, schedule, params, config in plan:
-            if warmup and (label, config.block_size) not in warmed:
+            compiled = (config.schedule if callable(config.schedule) else label, config.block_size)
+            if warmup and compiled not in warmed:
                 first = next(iter(padded_batches(task.prompts, batch_size or len(task.prompts))))[0]
                 generate(model, first, config)
-                warmed.add((label, config.block_size))
+                warmed.add(compiled)
             records.append(_run_cell(model, task, label, schedule, params, config, batch_size))
             logger.info("%s %s: accuracy %.1f%%, %.2f tokens/forward", records[-1].label, params,
                         records[-1].accuracy, records[-1].tokens_per_forward)
@@ -282,6 +293,36 @@ def padded_batches(prompts: Sequence[Sequence[int]], size: int) -> Iterator[tupl
     for first in range(0, len(prompts), size):
         batch = [list(p) for p in prompts[first:first + size]]
         yield batch + [batch[-1]] * (size - len(batch)), len(batch)
+
+
+class ScheduleSwitch:
+    """One schedule function that runs any of several named schedules, chosen by a traced index:
+    `params = switch.params(name, given, config)` selects `name` with its parameters. Every choice
+    shares one compiled decoder per block size, so a sweep over many schedules compiles once per
+    block size; the decisions are those of the named rule itself."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(dict.fromkeys(names))
+        for name in self.names:
+            schedule_registry.resolve(name)
+        self.__name__ = "switch(" + ", ".join(self.names) + ")"
+
+    def __call__(self, view, params):
+        branches = [lambda v, p, name=name: schedule_registry.as_decision(schedule_registry.BY_NAME[name].rule(v, p[name]))
+                    for name in self.names]
+        return jax.lax.switch(params["index"], branches, view, params)
+
+    def params(self, name: str, given: Mapping[str, Any] | None, config: GenerationConfig) -> dict:
+        """The parameters that select `name` with `given` (its other schedules at their defaults)."""
+        return {"index": np.int32(self.names.index(name)),
+                **{other: schedule_registry.resolve_params(other, given if other == name else None, config)
+                   for other in self.names}}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ScheduleSwitch) and other.names == self.names
+
+    def __hash__(self) -> int:
+        return hash(("ScheduleSwitch", self.names))
 
 
 def _run_cell(model, task: Task, label: str, schedule: Any, params: dict, config: GenerationConfig,

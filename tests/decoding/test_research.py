@@ -72,12 +72,15 @@ def ends_with_eos(index, response) -> float:
 
 
 def test_sweep_records_equal_direct_generate_calls_and_go_to_jsonl_and_csv(peaked, controls_config, tmp_path):
+    """Two named schedules share one compiled decoder (a ScheduleSwitch); the low_confidence cells
+    equal `generate` with that schedule alone."""
     task = research.Task("toy", PROMPTS, ends_with_eos, max_new_tokens=12)
-    records = research.sweep(peaked, {"low_confidence": {"threshold": [0.9, 0.4]}}, block_sizes=[8], task=task,
-                             generation_config=controls_config, progress=False,
+    records = research.sweep(peaked, {"low_confidence": {"threshold": [0.9, 0.4]}, "fixed_k": [{"tokens_per_step": 3}]},
+                             block_sizes=[8], task=task, generation_config=controls_config, progress=False,
                              output=[tmp_path / "sweep.jsonl", tmp_path / "sweep.csv"])
     assert [(r.schedule, r.params, r.block_size) for r in records] == [
-        ("low_confidence", {"threshold": 0.9}, 8), ("low_confidence", {"threshold": 0.4}, 8)]
+        ("low_confidence", {"threshold": 0.9}, 8), ("low_confidence", {"threshold": 0.4}, 8),
+        ("fixed_k", {"tokens_per_step": 3}, 8)]
     for threshold, result in zip((0.9, 0.4), records):
         out = generate(peaked, PROMPTS, controls_config, max_new_tokens=12, schedule_params={"threshold": threshold})
         assert result.accuracy == 100.0 * sum(ends_with_eos(i, s) for i, s in enumerate(out.sequences)) / 2
@@ -100,6 +103,31 @@ def test_sweep_batches_pad_the_last_batch_and_give_the_unbatched_records(peaked,
     assert batched.mean_nfe == (2 * out.nfe[0] + out.nfe[1]) / 3 and batched.prompts == 3
     assert batched.mean_response_tokens == (2 * len(out.sequences[0]) + len(out.sequences[1])) / 3
     assert batched.params == {"threshold": controls_config.threshold}  # defaults are recorded
+
+
+def test_schedule_switch_decides_as_each_named_rule(controls_config):
+    """On random steps, the switch with `params(name, ...)` returns the named rule's decision."""
+    import jax
+    import numpy as np
+
+    from decoding import schedules
+    from tests.decoding.test_schedules import batched_view, random_steps, run_batched
+
+    names = ["low_confidence", "fast_dllm_factor", "dream", "eb_sampler", "joint_threshold"]
+    switch = research.ScheduleSwitch(names)
+    assert switch == research.ScheduleSwitch(names) and hash(switch) == hash(research.ScheduleSwitch(names))
+    p, decided, entropy, margin = random_steps(64, seed=21)
+    steps = batched_view(p, decided, entropy, margin, step=np.arange(64) % 4)
+    config = controls_config.replace(block_size=8)
+    for name, given in [("low_confidence", {"threshold": 0.5}), ("fast_dllm_factor", None),
+                        ("dream", {"alg": "entropy", "steps": 4}), ("eb_sampler", {"gamma": 0.3}),
+                        ("joint_threshold", None)]:
+        batched = lambda params: jax.tree_util.tree_map(lambda x: np.broadcast_to(x, (64,) + np.shape(x)), params)
+        mine = run_batched(switch, steps, batched(switch.params(name, given, config)))
+        theirs = run_batched(schedules.BY_NAME[name].rule, steps,
+                             batched(schedules.resolve_params(name, given, config)))
+        for field in ("decided", "edit", "keep_open"):
+            assert np.array_equal(getattr(mine, field), getattr(theirs, field)), (name, field)
 
 
 @pytest.mark.parametrize("schedules, message", [
