@@ -5,7 +5,6 @@ refused; bad model_args refused before loading."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -19,8 +18,13 @@ COUNT, MAX_GEN_TOKS = 6, 24
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """lm_eval imported offline, and a task directory with a generate_until and a multiple-choice task."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when `datasets` is first imported
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is first imported
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield from _harness(tmp_path_factory)
+
+
+def _harness(tmp_path_factory):
     lm_eval = pytest.importorskip("lm_eval")
     import decoding.lm_eval_model  # noqa: F401  (registers "clover-jax")
     from clover_jax.training.task import SortDigits
@@ -43,7 +47,7 @@ def harness(tmp_path_factory):
         "doc_to_target: 0\nmetric_list:\n  - metric: acc\n")
     from lm_eval.tasks import TaskManager
 
-    return lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows
+    yield lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows
 
 
 def test_simple_evaluate_answers_generate_until_with_generate(harness):
