@@ -11,7 +11,7 @@ directory), `dtype`, `quantize`, `impl`; every `GenerationConfig` field (`block_
 `max_new_tokens`, `schedule`, penalties, ...); `schedule.<name>` for a parameter of the schedule;
 `enable_thinking` (chat template variable) and `think_end_token` (the response is the text after
 its last occurrence; default `</think>` when the tokenizer has it, `none` keeps the thinking);
-`seed` for sampling; `batch_size`.
+`seed` for sampling. The batch size is lm-eval's `--batch_size` (`auto`: 8).
 
 Requests are grouped by their generation kwargs and decoded in batches. A request's `until`
 strings cut the decoded text (after the thinking is dropped), `max_gen_toks` is `max_new_tokens`,
