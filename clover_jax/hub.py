@@ -89,7 +89,7 @@ def _from_hub(repo_id: str, revision: str | None, weights: bool, require: tuple[
     if weights:
         files = _weight_files(folder)
         # Pin the commit the small files came from, so config and weights always match.
-        folder = _snapshot(repo_id, folder.name, files, shown_revision=revision)
+        folder = _snapshot(repo_id, folder.name, files, shown_revision=revision, weights=True)
         required += files
     missing = [file for file in required if not (folder / file).is_file()]
     if missing:
@@ -118,12 +118,13 @@ def _weight_files(folder: Path) -> list[str]:
     return sorted({file for file in weight_map.values() if isinstance(file, str)})
 
 
-def _snapshot(repo_id: str, revision: str | None, patterns: list[str], shown_revision: str | None = None) -> Path:
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], shown_revision: str | None = None,
+              weights: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    shown_revision = revision if shown_revision is None else shown_revision
+    shown_revision = shown_revision if weights else revision
     at = f" at revision {shown_revision!r}" if shown_revision else ""
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, library_name=LIBRARY_NAME)
@@ -137,7 +138,7 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], shown_rev
         raise CheckpointNotFoundError(f"Hub model {repo_id!r} has no revision {shown_revision!r}") from error
     except LocalEntryNotFoundError as error:  # offline, or the Hub unreachable, and nothing usable in the cache
         how = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
-        if type(error).__name__ == "IncompleteSnapshotError":
+        if type(error).__name__ == "IncompleteSnapshotError" or weights:
             raise CheckpointNotFoundError(f"the cached copy of Hub model {repo_id!r}{at} in {constants.HF_HUB_CACHE} "
                                           f"lacks files clover-jax reads ({how})") from error
         raise CheckpointNotFoundError(f"{repo_id!r}{at} is neither a local directory nor in the Hub cache "
