@@ -210,3 +210,20 @@ def test_cache_variables_and_offline_mode_are_honoured_by_the_cli(tmp_path, vari
     assert missing.stderr.strip().splitlines() == [
         f"clover-jax: error: 'tiny-org/missing' is neither a local directory nor in the Hub cache {cache} "
         "(HF_HUB_OFFLINE=1)"]
+
+
+def test_a_bad_config_is_refused_before_any_weights_are_fetched(tmp_path, monkeypatch):
+    """The snapshot lacks the weights its listing names: had from_pretrained asked for them, the
+    error would be about missing files; it is about config.json, found first."""
+    from huggingface_hub import constants
+
+    from clover_jax import CloverModel, ConfigError
+
+    files = bundled_files(config={"num_experts": "8"})
+    del files["model.safetensors"]  # listed below, absent from the snapshot
+    cache = tmp_path / "hub"
+    build_hub_cache(cache, REPO, files, COMMIT_MAIN, listed=sorted(files) + ["model.safetensors"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match="num_experts"):
+        CloverModel.from_pretrained(REPO, progress=False)
