@@ -1,11 +1,53 @@
-"""clover-jax: a JAX/Flax implementation of Clover-35B-A3B-Preview and its Qwen3.5-MoE backbone."""
+"""clover-jax: a JAX/Flax implementation of Clover-35B-A3B-Preview and its Qwen3.5-MoE backbone.
 
-from clover_jax.clover_model import CloverModel
-from clover_jax.config import CloverConfig, ConfigError
-from clover_jax.kernels import choose_kernels
-from clover_jax.planner import plan
-from clover_jax.quantization import QuantSpec
-from clover_jax.sharding import MeshPlan, ShardingRules, make_mesh
+The names below are imported on first use, so `import clover_jax` (and the `clover-jax` command,
+which checks its arguments first) does not pay for importing jax until something needs it.
+"""
 
-__all__ = ["CloverModel", "CloverConfig", "ConfigError", "MeshPlan", "QuantSpec", "ShardingRules", "choose_kernels",
-           "make_mesh", "plan"]
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "CloverModel": "clover_jax.clover_model",
+    "CloverConfig": "clover_jax.config",
+    "ConfigError": "clover_jax.config",
+    "choose_kernels": "clover_jax.kernels",
+    "plan": "clover_jax.planner",
+    "QuantSpec": "clover_jax.quantization",
+    "MeshPlan": "clover_jax.sharding",
+    "ShardingRules": "clover_jax.sharding",
+    "make_mesh": "clover_jax.sharding",
+}
+
+__all__ = sorted([*_EXPORTS, "bundled_model_path"])
+
+if TYPE_CHECKING:
+    from clover_jax.clover_model import CloverModel
+    from clover_jax.config import CloverConfig, ConfigError
+    from clover_jax.kernels import choose_kernels
+    from clover_jax.planner import plan
+    from clover_jax.quantization import QuantSpec
+    from clover_jax.sharding import MeshPlan, ShardingRules, make_mesh
+
+
+def bundled_model_path() -> Path:
+    """The tiny Clover that ships with the package (4 layers, 8 experts, a 128-token vocabulary,
+    trained to sort digits): a complete checkpoint directory — config, weights, tokenizer and chat
+    template — that `CloverModel`, `GenerationConfig` and `Tokenizer` load like any other."""
+    return Path(__file__).resolve().parent / "bundled" / "tiny-clover"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clover_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -2,15 +2,20 @@
 
     clover-jax generate "sort 3 1 4 1 5"                     # the bundled tiny model (it sorts digits)
     clover-jax generate --show-steps --schedule fixed_k "sort 9 2 7 4"
+    clover-jax generate --model org/name --revision main "What is diffusion?"   # a Hub id
     clover-jax generate --model DIR --dtype bfloat16 --json "What is diffusion?"
     clover-jax info DIR
 
+`--model` is a checkpoint directory or a Hugging Face Hub id (`clover_jax.hub`: only the files
+clover-jax reads are downloaded, into the Hub cache; `HF_HUB_OFFLINE=1` works from the cache).
 Every field of `decoding.GenerationConfig` is a flag of `generate` (`--block-size`,
 `--threshold`, `--presence-penalty`, ...; booleans as `--do-sample` / `--no-do-sample`), built
 from the dataclass so that none is forgotten; a flag left out keeps the checkpoint's
 `generation_config.json` value (spec §4). Errors are one line on stderr with a non-zero exit
-status (2 for bad flags, 1 for everything else), never a traceback. Heavy imports (jax, the
-model) happen after the arguments and the model directory have been checked.
+status (2 for bad flags or input, 1 for everything else), never a traceback. Heavy imports (jax,
+the model) happen after the arguments, the model's config and tokenizer and the prompt have been
+checked. Ctrl-C at any moment — importing, downloading, loading, compiling, decoding, streaming —
+ends the command at once with one line and exit status 130 (`ExitOnInterrupt`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "tiny-clover"
+BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "tiny-clover"  # clover_jax.bundled_model_path()
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 FALLBACK_MAX_NEW_TOKENS = 256  # when neither the flags nor generation_config.json set max_new_tokens
 MASK_GLYPH = "░"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -191,8 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                                           "autoregressively. The prompt goes through the checkpoint's chat "
                                           "template unless --raw.")
     gen.add_argument("prompt", nargs="?", help="the user message ('-' or absent: read standard input)")
-    gen.add_argument("--model", metavar="DIR", default=None,
-                     help=f"checkpoint directory (default: the bundled tiny model, {_short(BUNDLED_MODEL)})")
+    gen.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
+                     help=f"checkpoint directory or Hugging Face Hub id (default: the bundled tiny model, "
+                          f"{_short(BUNDLED_MODEL)})")
+    gen.add_argument("--revision", metavar="REV", default=None,
+                     help="branch, tag or commit of a Hub id (default: its main branch)")
     think = gen.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=True,
                        help="render the chat template with enable_thinking=True (default)")
@@ -222,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="describe a checkpoint: config, parameters, memory",
                                description="Config summary, parameter count (total and active per token) and the "
                                            "memory a request needs per dtype.")
-    info.add_argument("model", nargs="?", metavar="DIR", default=None,
-                      help="checkpoint directory (default: the bundled tiny model)")
+    info.add_argument("model", nargs="?", metavar="DIR|ORG/NAME", default=None,
+                      help="checkpoint directory or Hub id (default: the bundled tiny model)")
+    info.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
     info.add_argument("--context", type=_int, default=None, metavar="TOKENS",
                       help="prompt + response positions for the memory estimate (default: the model's context)")
     info.add_argument("--batch", type=_int, default=1, metavar="N", help="sequences for the memory estimate")
@@ -233,41 +245,108 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
-        return args.run(args) or 0
-    except UsageError as error:
-        sub = f"{parser.prog} {args.command}"
-        print(f"{sub}: error: {_one_line(error)} (see {sub} --help)", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `clover-jax ... | head`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except (CliError, ValueError, OSError) as error:  # ConfigError, TokenizerError, generate's checks
-        print(f"{parser.prog}: error: {_explain(_one_line(error))}", file=sys.stderr)
-        return 1
+    prog = "clover-jax"
+    with ExitOnInterrupt(prog):
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+            return args.run(args) or 0
+        except UsageError as error:
+            sub = f"{prog} {args.command}"
+            print(f"{sub}: error: {_one_line(error)} (see {sub} --help)", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # only where ExitOnInterrupt could not take over SIGINT
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return INTERRUPTED_STATUS
+        except BrokenPipeError:  # `clover-jax ... | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except (CliError, ValueError, OSError) as error:  # ConfigError, TokenizerError, generate's checks
+            print(f"{prog}: error: {_explain(_one_line(error))}", file=sys.stderr)
+            return 1
+        except Exception as error:  # a bug: still one line, the traceback with --verbose
+            if logging.getLogger().isEnabledFor(logging.INFO):
+                raise
+            print(f"{prog}: internal error: {type(error).__name__}: {_one_line(error)} (run with -v for the "
+                  "traceback)", file=sys.stderr)
+            return 1
+
+
+class ExitOnInterrupt:
+    """Ctrl-C ends the process at once: one line on stderr, exit status 130, nothing else runs.
+
+    A KeyboardInterrupt raised in the middle of jax — inside an XLA host callback, while a
+    computation or a compilation is in flight, halfway through importing an extension — crashed
+    the process (a segfault in most trials) or came back as an unrelated ImportError. So SIGINT
+    never becomes an exception here: the C-level handler writes to a wakeup pipe that a daemon
+    thread watches, and that thread (or the Python-level handler, whichever runs first) prints
+    one line and calls `os._exit`. The thread is what makes it immediate while the main thread is
+    held inside a long XLA call. Where SIGINT is ignored (`nohup`, a background job) or this is not
+    the main thread, nothing is changed. Leaving the block restores the previous handlers.
+    """
+
+    def __init__(self, prog: str):
+        self.message = f"{prog}: interrupted\n".encode()
+        self.installed = False
+        self.leaving = threading.Lock()
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+            return self
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self.previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: self.leave())
+        self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self.watch, name="clover-jax-interrupt", daemon=True).start()
+        self.installed = True
+        return self
+
+    def watch(self) -> None:
+        while True:
+            try:
+                received = os.read(self.read_fd, 64)
+            except OSError:
+                return
+            if not received:  # __exit__ closed the pipe
+                return
+            if signal.SIGINT in received:
+                self.leave()
+
+    def leave(self) -> None:
+        if not self.leaving.acquire(blocking=False):
+            return  # the other path is already leaving
+        try:
+            os.write(2, self.message)
+        finally:
+            os._exit(INTERRUPTED_STATUS)
+
+    def __exit__(self, *exc_info) -> None:
+        if not self.installed:
+            return
+        signal.set_wakeup_fd(self.previous_fd)
+        signal.signal(signal.SIGINT, self.previous_handler)
+        os.close(self.write_fd)  # the watcher reads end-of-file and returns
+        os.close(self.read_fd)
 
 
 # ---------------------------------------------------------------------- generate
 def run_generate(args: argparse.Namespace) -> int:
-    path = resolve_model_dir(args.model)
     overrides = generation_overrides(args)
     if args.show_steps and args.mode == "autoregressive":
         raise UsageError("--show-steps shows diffusion blocks; it does not apply to --mode autoregressive")
     prompt = read_prompt(args.prompt)
+    system = _utf8(args.system, "--system") if args.system is not None else None
     status = _Status(quiet=args.quiet or args.json)
+    path = resolve_model_dir(args.model, args.revision, quiet=status.quiet)
 
     from clover_jax.config import CloverConfig
     from clover_jax.tokenization import Tokenizer
 
     config = CloverConfig.from_pretrained(path)
     tokenizer = Tokenizer.from_pretrained(path)
-    prompt_ids = encode_prompt(tokenizer, prompt, args)
+    prompt_ids = encode_prompt(tokenizer, prompt, args, system)
     generation = resolve_generation_config(path, config, overrides)
     context = config.max_position_embeddings
     if len(prompt_ids) + generation.max_new_tokens > context:  # generate() checks again, with the block rounding
@@ -275,14 +354,18 @@ def run_generate(args: argparse.Namespace) -> int:
                        f"{generation.max_new_tokens}: {len(prompt_ids) + generation.max_new_tokens} positions "
                        f"exceed the model's context of {context} tokens (max_position_embeddings)")
 
-    status.say(f"loading {_short(path)} ...")
+    status.say(f"loading {args.model or _short(path)} ...")
     started = time.perf_counter()
     import jax
 
     from clover_jax import CloverModel
     from decoding import generate
 
-    model = CloverModel.from_pretrained(path, dtype=args.dtype, progress=not status.quiet)
+    if _is_hub_snapshot(args.model):  # the weights of the commit the config and tokenizer came from
+        model = CloverModel.from_pretrained(args.model, revision=path.name, dtype=args.dtype,
+                                            progress=not status.quiet)
+    else:
+        model = CloverModel.from_pretrained(path, dtype=args.dtype, progress=not status.quiet)
     load_seconds = time.perf_counter() - started
     status.say(f"loaded in {load_seconds:.1f} s on {jax.devices()[0].platform}; decoding "
                f"({args.mode}, {len(prompt_ids)} prompt tokens; the first call compiles) ...")
@@ -331,13 +414,13 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace) -> list[int]:
+def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace, system: str | None = None) -> list[int]:
     """The prompt's ids: through the chat template (with --system, enable_thinking), or raw."""
     if args.raw:
         return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=args.enable_thinking)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=args.enable_thinking,
+                                         return_dict=False)
 
 
 def resolve_generation_config(path: Path, config, overrides: dict[str, Any]):
@@ -360,31 +443,57 @@ def resolve_generation_config(path: Path, config, overrides: dict[str, Any]):
     return generation
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The checkpoint directory, checked before anything heavy is imported."""
+def resolve_model_dir(model: str | None, revision: str | None = None, quiet: bool = False) -> Path:
+    """The checkpoint directory — a local one, or the Hub cache's snapshot of a Hub id with its
+    configs and tokenizer (the weights come later) — checked before anything heavy is imported."""
     if model is None:
+        if revision is not None:
+            raise UsageError("--revision applies to a Hub id given with --model")
         if not (BUNDLED_MODEL / "config.json").is_file():
             raise CliError(f"the bundled model is not installed at {BUNDLED_MODEL}; pass --model DIR")
         return BUNDLED_MODEL
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise CliError(f"model directory {model!r} does not exist")
-    if not path.is_dir():
-        raise CliError(f"--model {model!r} is not a directory (a checkpoint is a directory with config.json, "
-                       "model.safetensors and tokenizer.json)")
+    from clover_jax.hub import resolve_checkpoint
+
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    path = resolve_checkpoint(model, revision)
     if not (path / "config.json").is_file():
         raise CliError(f"{model!r} has no config.json: not a Hugging Face checkpoint directory")
     return path
+
+
+def _is_hub_snapshot(model: str | None) -> bool:
+    """Whether --model named a Hub id (a local directory of that name wins, as in `resolve_checkpoint`)."""
+    return model is not None and not Path(model).expanduser().is_dir()
 
 
 def read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise UsageError("no prompt: pass it as an argument, or '-' to read standard input")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UsageError(f"standard input is not valid UTF-8 (byte 0x{data[error.start]:02x} at offset "
+                             f"{error.start})") from None
+    else:
+        prompt = _utf8(prompt, "the prompt")
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     return prompt
+
+
+def _utf8(text: str, what: str) -> str:
+    """`text` from the command line, refused if it held bytes that are not UTF-8 (Python keeps
+    them as lone surrogates, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UsageError(f"{what} is not valid UTF-8 (at character {error.start})") from None
+    return text
 
 
 class _Status:
@@ -527,7 +636,7 @@ def _config_record(generation) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- info
 def run_info(args: argparse.Namespace) -> int:
-    path = resolve_model_dir(args.model)
+    path = resolve_model_dir(args.model, args.revision, quiet=args.json)
     if args.batch < 1:
         raise UsageError("argument --batch: must be >= 1")
     from clover_jax.config import CloverConfig

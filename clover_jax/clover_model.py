@@ -19,6 +19,7 @@ import numpy as np
 
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
+from clover_jax.hub import resolve_checkpoint
 from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput, stack_groups, unstack_groups
 from clover_jax.quantization import QuantSpec
@@ -102,9 +103,15 @@ class CloverModel:
         rules: ShardingRules | None = None,
         impl: str = "auto",
         quantize: "QuantSpec | str | None" = None,
+        revision: str | None = None,
+        check_finite: bool = True,
     ) -> "CloverModel":
-        """Load a Hugging Face layout checkpoint directory, or an Orbax directory written by
-        `weights.convert_to_orbax` (restored straight into the mesh's shardings).
+        """Load a Hugging Face layout checkpoint — a local directory or a Hub id such as
+        "org/name" (`clover_jax.hub`: only the files clover-jax reads are downloaded, into the Hub
+        cache) — or an Orbax directory written by `weights.convert_to_orbax` (local only, restored
+        straight into the mesh's shardings).
+
+        revision: branch, tag or commit of a Hub id (default: its main branch).
 
         dtype: parameter and activation dtype; None keeps the checkpoint's (e.g. bfloat16).
         mesh: a (data, expert, tensor) mesh (`clover_jax.make_mesh`); each parameter is placed
@@ -120,14 +127,18 @@ class CloverModel:
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
             the spec §2 defaults for them.
         chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
+        check_finite: refuse weights holding NaN or Inf (`weights.CheckpointError` naming the
+            tensor), checked on each tensor as it is read; False skips the check.
         """
         from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
 
-        config = CloverConfig.from_pretrained(path)
+        # the small files first: a bad config.json is refused before any weights are downloaded
+        config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
         choose_kernels(impl)  # a bad impl is refused before reading weights
         plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
         sharding_for = None if plan is None else plan.param_sharding
         quantize = QuantSpec.parse(quantize)
+        path = resolve_checkpoint(path, revision, weights=True)
         if orbax_checkpoint.is_orbax_checkpoint(path):
             if quantize is not None:
                 raise ValueError("quantize applies while reading safetensors; load the Orbax directory unquantised "
@@ -136,11 +147,11 @@ class CloverModel:
                 raise ValueError("name_map applies to safetensors checkpoints; an Orbax directory (from "
                                  "weights.convert_to_orbax) already holds the parameters under their own names")
             params, report = orbax_checkpoint.load_orbax_params(path, config, sharding_for=sharding_for, dtype=dtype,
-                                                                progress=progress)
+                                                                progress=progress, check_finite=check_finite)
         else:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
-                                                quantize=quantize)
+                                                quantize=quantize, check_finite=check_finite)
         return cls._adopt(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl=impl)
 
     # ------------------------------------------------------------------ causal mode

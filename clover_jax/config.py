@@ -10,15 +10,21 @@ Fields that the JAX model does not use but Hugging Face writes (``architectures`
 in a ``config.json`` is logged as a warning (real checkpoints grow fields over time, so refusing
 them would break loading), while an unknown keyword passed to :meth:`CloverConfig.replace` or to
 the constructor is an error.
+
+A field of the wrong JSON type (`"96"` for an integer, `"false"` for a boolean, `true` for an
+integer, a list for an object), a non-finite or non-positive `rope_theta` / `rms_norm_eps`, or
+`full_attention_interval` 0 is a `ConfigError` naming the field; nothing is coerced
+(`clover_jax.json_fields`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-from typing import Any
+from typing import Any, Mapping
+
+from clover_jax.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +45,6 @@ _IGNORED_FIELDS = frozenset({
     "quantization_config", "vision_config", "text_config", "image_token_id", "video_token_id",
     "vision_start_token_id", "vision_end_token_id", "block_size",
 })
-
-
-class ConfigError(ValueError):
-    """A config.json that cannot describe a model this library runs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,9 @@ class CloverConfig:
     checkpoint_dtype: str | None = None  # e.g. "bfloat16", as written by the checkpoint
 
     def __post_init__(self):
+        for name in ("layer_types", "eos_token_id"):  # hashable: the config is a static jit argument
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self._validate()
 
     # ----------------------------------------------------------------- derived sizes
@@ -130,9 +135,20 @@ class CloverConfig:
                      "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                      "max_position_embeddings"):
             value = getattr(self, name)
-            need(isinstance(value, int) and value >= 1, f"config.{name} must be a positive integer, got {value!r}")
-        need(self.shared_expert_intermediate_size >= 1,
+            need(is_integer(value) and value >= 1, f"config.{name} must be a positive integer, got {show(value)}")
+        need(is_integer(self.shared_expert_intermediate_size) and self.shared_expert_intermediate_size >= 1,
              "config.shared_expert_intermediate_size must be >= 1 (every Qwen3.5-MoE layer has a shared expert)")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            need(is_finite_number(value) and value > 0, f"config.{name} must be a finite number > 0, got {show(value)}")
+        for name in ("partial_rotary_factor", "moe_block_coreset_top_p"):
+            value = getattr(self, name)
+            need(is_finite_number(value), f"config.{name} must be a finite number, got {show(value)}")
+        for name in ("tie_word_embeddings", "attention_bias", "moe_block_coreset_enabled"):
+            need(isinstance(getattr(self, name), bool), f"config.{name} must be true or false, got "
+                                                        f"{show(getattr(self, name))}")
+        need(all(isinstance(kind, str) for kind in self.layer_types),
+             f"config.layer_types must be a list of strings, got {show(self.layer_types)}")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"config.layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -154,12 +170,11 @@ class CloverConfig:
         need(not self.attention_bias, "config.attention_bias=true is not supported by Qwen3.5-MoE checkpoints")
         need(0.0 < self.moe_block_coreset_top_p <= 1.0,
              f"config.moe_block_coreset_top_p must be in (0, 1], got {self.moe_block_coreset_top_p}")
-        need(self.rms_norm_eps > 0, f"config.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.mask_token_id is not None:
-            need(0 <= self.mask_token_id < self.vocab_size,
+            need(is_integer(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
                  f"config.mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         for eos in self.eos_token_id:
-            need(0 <= eos < self.vocab_size,
+            need(is_integer(eos) and 0 <= eos < self.vocab_size,
                  f"config.eos_token_id {eos} is outside the vocabulary [0, {self.vocab_size})")
 
     # ----------------------------------------------------------------- construction
@@ -170,83 +185,81 @@ class CloverConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "CloverConfig":
-        """Parse a `config.json` dict of any accepted shape."""
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "CloverConfig":
+        """Parse a `config.json` object of any accepted shape (`source` names it in errors)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source} must hold a JSON object {{...}}, got {show(raw)}")
         model_type = raw.get("model_type")
         if model_type not in ACCEPTED_MODEL_TYPES:
             raise ConfigError(
-                f"config.json has model_type={model_type!r}; clover-jax accepts {list(ACCEPTED_MODEL_TYPES)}")
-        text = dict(raw)
+                f"{source} has model_type={model_type!r}; clover-jax accepts {list(ACCEPTED_MODEL_TYPES)}")
+        text, prefix = dict(raw), ""
         if model_type == "qwen3_5_moe":
             if not isinstance(raw.get("text_config"), dict):
-                raise ConfigError("config.json with model_type 'qwen3_5_moe' needs a 'text_config' object")
-            text = dict(raw["text_config"])
+                raise ConfigError(f"{source} with model_type 'qwen3_5_moe' needs a 'text_config' object, got "
+                                  f"{show(raw.get('text_config'))}")
+            text, prefix = dict(raw["text_config"]), "text_config."
             # The wrapper carries these at its top level in some exports.
-            for key in ("tie_word_embeddings", "eos_token_id"):
+            for key in ("tie_word_embeddings", "eos_token_id", "mask_token_id"):
                 if key not in text and key in raw:
                     text[key] = raw[key]
-        return cls._from_text_fields(text, model_type)
+        return cls._from_text_fields(JsonFields(text, source, prefix), model_type)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "CloverConfig":
         config_path = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(config_path):
             raise ConfigError(f"no config.json in {os.fspath(path)!r}")
-        try:
-            with open(config_path) as handle:
-                raw = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{config_path} is not valid JSON: {error}") from error
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(config_path), config_path)
 
     @classmethod
-    def _from_text_fields(cls, text: dict[str, Any], model_type: str) -> "CloverConfig":
+    def _from_text_fields(cls, fields: JsonFields, model_type: str) -> "CloverConfig":
+        text = fields.values
         field_names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(text) - field_names - _IGNORED_FIELDS)
         if unknown:
             logger.warning("config.json fields not used by clover-jax: %s", unknown)
 
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_key = "rope_parameters" if fields.has("rope_parameters") else "rope_scaling"
+        rope = JsonFields(fields.mapping(rope_key, {}), fields.source, f"{fields.prefix}{rope_key}.")
+        rope_type = rope.string("rope_type", rope.string("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope_type={rope_type!r} is not supported; Qwen3.5/3.6 use 'default'")
-        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-
-        num_layers = text.get("num_hidden_layers")
-        layer_types = text.get("layer_types")
-        if layer_types is None and isinstance(num_layers, int):
-            interval = text.get("full_attention_interval", 4)
-            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+        rope_theta = rope.number("rope_theta", fields.number("rope_theta", 10_000_000.0, positive=True), positive=True)
+        partial = rope.number("partial_rotary_factor", fields.number("partial_rotary_factor", 0.25))
 
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                     "linear_num_value_heads", "moe_intermediate_size", "num_experts", "num_experts_per_tok")
         missing = [name for name in required if name not in text]
         if missing:
-            raise ConfigError(f"config.json lacks required fields {missing}")
+            raise ConfigError(f"{fields.source} lacks required fields {missing}")
+        values: dict[str, Any] = {name: fields.integer(name, minimum=1) for name in required}
 
-        eos = text.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        values: dict[str, Any] = {name: text[name] for name in required}
+        layer_types = fields.strings("layer_types", None)
+        if layer_types is None:
+            interval = fields.integer("full_attention_interval", 4, minimum=1)
+            layer_types = tuple("linear_attention" if (i + 1) % interval else "full_attention"
+                                for i in range(values["num_hidden_layers"]))
+        dtype = fields.string("dtype", None)
         values.update(
-            head_dim=text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]),
-            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 512),
-            layer_types=tuple(layer_types),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            partial_rotary_factor=float(partial),
-            max_position_embeddings=text.get("max_position_embeddings", 131_072),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            hidden_act=text.get("hidden_act", "silu"),
-            attention_bias=bool(text.get("attention_bias", False)),
-            eos_token_id=eos_ids,
-            mask_token_id=text.get("mask_token_id"),
-            moe_block_coreset_enabled=bool(text.get("moe_block_coreset_enabled", True)),
-            moe_block_coreset_top_p=float(text.get("moe_block_coreset_top_p", 0.9)),
+            head_dim=fields.integer("head_dim", values["hidden_size"] // values["num_attention_heads"], minimum=1),
+            linear_conv_kernel_dim=fields.integer("linear_conv_kernel_dim", 4, minimum=1),
+            shared_expert_intermediate_size=fields.integer("shared_expert_intermediate_size", 512, minimum=1),
+            layer_types=layer_types,
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            max_position_embeddings=fields.integer("max_position_embeddings", 131_072, minimum=1),
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
+            hidden_act=fields.string("hidden_act", "silu"),
+            attention_bias=fields.boolean("attention_bias", False),
+            eos_token_id=fields.ids("eos_token_id"),
+            mask_token_id=fields.integer("mask_token_id", None, minimum=0),
+            moe_block_coreset_enabled=fields.boolean("moe_block_coreset_enabled", True),
+            moe_block_coreset_top_p=fields.number("moe_block_coreset_top_p", 0.9),
             model_type=model_type,
-            checkpoint_dtype=text.get("dtype", text.get("torch_dtype")),
+            checkpoint_dtype=dtype if dtype is not None else fields.string("torch_dtype", None),
         )
         return cls(**values)
 

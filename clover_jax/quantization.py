@@ -13,19 +13,29 @@ Matmuls dequantise on the fly: the routed experts dequantise only the expert a t
 (`clover_jax.expert_dispatch`), dense layers their weight before the matmul (`layers.Linear`).
 Quantisation happens at load time, one parameter at a time (`weights.load_params(quantize=...)`),
 so the unquantised model is never held whole.
+
+int4 groups: plain `"int4"` asks for the default group of 128 inputs; on a model whose quantised
+input widths 128 does not divide, it takes the largest even group below 128 that divides them
+all (logged). An explicit group (`"int4-g128"`, `QuantSpec(4, group_size=128)`) that does not
+divide every width is refused before any weight is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import logging
+import math
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 SCALE_DTYPE = ml_dtypes.bfloat16
+DEFAULT_GROUP = 128
 
 
 class QuantizedWeight(NamedTuple):
@@ -48,23 +58,28 @@ class QuantizedWeight(NamedTuple):
 class QuantSpec:
     """bits: 8 or 4; group_size: int4 input-dimension group (int8 is per output channel);
     dense: also quantise the dense projections (attention, GDN, shared expert), not only the
-    routed experts. Embedding, LM head, norms and the router stay in the model dtype."""
+    routed experts. Embedding, LM head, norms and the router stay in the model dtype.
+    fit_group: group_size is only the preferred group (plain "int4"): `fitted` lowers it to the
+    largest even group that divides every quantised input width instead of refusing."""
 
     bits: int = 8
-    group_size: int = 128
+    group_size: int = DEFAULT_GROUP
     dense: bool = False
+    fit_group: bool = False
 
     def __post_init__(self):
         if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 8 or 4, got {self.bits}")
-        if self.bits == 4 and (self.group_size < 2 or self.group_size % 2):
-            raise ValueError(f"int4 group_size must be an even number >= 2, got {self.group_size}")
+            raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
+        if self.bits == 4 and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                               or self.group_size < 2 or self.group_size % 2):
+            raise ValueError(f"int4 group_size must be an even number >= 2, got {self.group_size!r}")
 
     @property
     def name(self) -> str:
-        """The text `parse` reads back: "int8", "int4-g128", with "+dense" when dense."""
-        return (f"int{self.bits}" + (f"-g{self.group_size}" if self.bits == 4 else "")
-                + ("+dense" if self.dense else ""))
+        """The text `parse` reads back: "int8", "int4-g128" ("int4" while the group is to be fitted),
+        with "+dense" when dense."""
+        group = "" if self.bits == 8 or self.fit_group else f"-g{self.group_size}"
+        return f"int{self.bits}{group}" + ("+dense" if self.dense else "")
 
     @classmethod
     def parse(cls, text: "str | QuantSpec | None") -> "QuantSpec | None":
@@ -72,11 +87,13 @@ class QuantSpec:
         if text is None or isinstance(text, QuantSpec):
             return text
         name, _, extra = str(text).partition("+")
-        bits_text, _, group = name.partition("-g")
-        if bits_text not in ("int8", "int4") or extra not in ("", "dense"):
+        bits_text, has_group, group = name.partition("-g")
+        if bits_text not in ("int8", "int4") or extra not in ("", "dense") or has_group and (
+                bits_text == "int8" or not group.isascii() or not group.isdigit()):
             raise ValueError(f"quantize={text!r}: expected 'int8' or 'int4', optionally '-g<group>' "
                              "(int4) and '+dense'")
-        return cls(bits=int(bits_text[3:]), group_size=int(group) if group else 128, dense=extra == "dense")
+        return cls(bits=int(bits_text[3:]), group_size=int(group) if group else DEFAULT_GROUP,
+                   dense=extra == "dense", fit_group=bits_text == "int4" and not group)
 
     def applies_to(self, path: tuple[str, ...]) -> bool:
         """Whether the parameter at `path` is quantised under this spec."""
@@ -90,6 +107,31 @@ class QuantSpec:
         if self.bits == 4 and shape[-1] % self.group_size:
             raise ValueError(f"{'/'.join(path)} has input dimension {shape[-1]}, not a multiple of the int4 "
                              f"group_size {self.group_size}; choose a group_size that divides it")
+
+    def fitted(self, layout: Mapping[tuple[str, ...], tuple[int, ...]]) -> "QuantSpec":
+        """This spec for a model whose parameters have `layout` ({path: shape}, `flat_layout`).
+
+        An explicit int4 group must divide every quantised input width (ValueError naming the
+        first parameter it does not divide). With `fit_group` (plain "int4") the group becomes the
+        largest even number <= group_size that divides them all, logged when it is not group_size.
+        The result has `fit_group` False, so its `name` records the group used.
+        """
+        quantised = [(path, tuple(shape)) for path, shape in layout.items() if self.applies_to(path)]
+        exact = dataclasses.replace(self, fit_group=False)
+        if self.bits != 4 or all(shape[-1] % self.group_size == 0 for _, shape in quantised):
+            return exact
+        if not self.fit_group:
+            for path, shape in quantised:
+                self.check_shape(path, shape)
+        widths = sorted({shape[-1] for _, shape in quantised})
+        common = math.gcd(*widths)
+        group = next((size for size in range(self.group_size, 1, -2) if common % size == 0), None)
+        if group is None:
+            raise ValueError(f"int4 needs a group of an even number of inputs that divides every quantised input "
+                             f"width, and the widths {widths} have none; use int8")
+        logger.info("int4: group_size %d does not divide the quantised input widths %s; using %d, the largest even "
+                    "group that does (ask for 'int4-g<N>' to choose)", self.group_size, widths, group)
+        return dataclasses.replace(exact, group_size=group)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of the quantised form of a float weight of `shape` (values + bfloat16 scales)."""

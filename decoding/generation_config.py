@@ -3,18 +3,27 @@
 For `clover_moe` checkpoints a missing field takes the model card's default; for base Qwen
 checkpoints (`qwen3_5_moe*`) a missing control takes the neutral value, as in transformers.
 Keyword overrides replace loaded values; every field is validated with a clear `ValueError`.
+
+`generation_config.json` is read field by field with its JSON type checked (`"false"` is not a
+boolean, `"96"` or `true` not an integer, `null` not a token id); a wrong type is a
+`ConfigError` naming the file and the field. Fields clover-jax does not use (`pad_token_id`,
+`transformers_version`, ...) are ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import numbers
 import os
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
+from clover_jax.config import CloverConfig
+from clover_jax.hub import resolve_checkpoint
+from clover_jax.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
 from decoding import schedules
 
 logger = logging.getLogger(__name__)
@@ -24,6 +33,10 @@ CLOVER_DEFAULTS = dict(
     dllm_length_penalty=10.0, dllm_length_penalty_start=8192, dllm_length_penalty_window=8192,
     dllm_think_end_bias=10.0, dllm_think_end_start=4096, dllm_think_end_window=4096,
 )
+# Upper bounds, checked before anything is compiled: sizes of a block and of its steps (far beyond
+# any context a model has), and every other integer (traced as int32 inside the decoding loop).
+MAX_BLOCK_COUNT = 2**20
+MAX_INT32 = 2**31 - 1
 NEUTRAL_CONTROLS = dict(
     presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, dllm_length_penalty=0.0,
     dllm_think_end_bias=0.0,
@@ -32,7 +45,13 @@ NEUTRAL_CONTROLS = dict(
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """Every knob of `generate`. Field names follow `generation_config.json`."""
+    """Every knob of `generate`. Field names follow `generation_config.json`.
+
+    Every number must be finite; `block_size`, `max_steps_per_block` and `tokens_per_step` are at
+    most MAX_BLOCK_COUNT (2**20), and every other integer (`max_new_tokens`, `top_k`, the ramp
+    starts and windows, token ids) at most MAX_INT32 (2**31 - 1). Whether a block fits the model's
+    context and ids its vocabulary is checked by `generate`, which knows the model.
+    """
 
     max_new_tokens: int | None = None
     block_size: int = 32
@@ -66,9 +85,9 @@ class GenerationConfig:
     coreset_top_p: float | None = None     # None: the model config's moe_block_coreset_top_p
 
     def __post_init__(self):
-        if isinstance(self.eos_token_id, int):
+        if is_integer(self.eos_token_id):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
-        else:
+        elif isinstance(self.eos_token_id, (list, tuple)) or self.eos_token_id is None:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
         self.validate()
 
@@ -82,32 +101,35 @@ class GenerationConfig:
         return cls.from_dict({**defaults, **values})
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> "GenerationConfig":
-        """Read `generation_config.json` (optional) with the defaults of the checkpoint's model type."""
-        path = os.fspath(path)
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"no config.json in {path!r}")
-        with open(config_path) as handle:
-            model_config = json.load(handle)
-        text = model_config.get("text_config", model_config) if model_config.get("model_type") == "qwen3_5_moe" \
-            else model_config
+    def from_pretrained(cls, path: str | os.PathLike, revision: str | None = None,
+                        **overrides: Any) -> "GenerationConfig":
+        """Read `generation_config.json` (optional) with the defaults of the checkpoint's model type.
+
+        path: a checkpoint directory or a Hub id ("org/name", at `revision`; `clover_jax.hub`).
+        """
+        path = os.fspath(resolve_checkpoint(path, revision, require=("config.json",)))
+        model_config = CloverConfig.from_pretrained(path)  # config.json, read and checked in one place
         values: dict[str, Any] = dict(CLOVER_DEFAULTS)
-        if model_config.get("model_type") != "clover_moe":
+        if model_config.model_type != "clover_moe":
             values.update(NEUTRAL_CONTROLS)
-        values["eos_token_id"] = text.get("eos_token_id", model_config.get("eos_token_id")) or ()
-        values["mask_token_id"] = text.get("mask_token_id", model_config.get("mask_token_id"))
+        values["eos_token_id"] = model_config.eos_token_id
+        values["mask_token_id"] = model_config.mask_token_id
         generation_path = os.path.join(path, "generation_config.json")
+        stored = {}
         if os.path.isfile(generation_path):
-            with open(generation_path) as handle:
-                stored = json.load(handle)
-            known = {f.name for f in dataclasses.fields(cls)}
-            values.update({key: value for key, value in stored.items() if key in known and value is not None})
+            stored = read_generation_config_json(generation_path)
+            values.update(stored)
         thinking = think_tokens_from_tokenizer(path)
         for key, token in thinking.items():
             if values.get(key) is None:
                 values[key] = token
-        return cls.from_dict(values).replace(**overrides)
+        try:
+            loaded = cls.from_dict(values)
+        except ValueError as error:  # a stored value out of range: say which file holds it
+            if stored:
+                raise ConfigError(f"{generation_path}: {error}") from None
+            raise
+        return loaded.replace(**overrides)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GenerationConfig":
@@ -127,43 +149,49 @@ class GenerationConfig:
             if not condition:
                 raise ValueError(message)
 
-        is_int = lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        def need_int(name: str, low: int, high: int, note: str = "", optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            need(is_integer(value) and low <= value <= high,
+                 f"{name} must be an integer >= {low} and <= {high}{note}, got {value!r}")
+
         for name in ("threshold", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "dllm_length_penalty", "dllm_think_end_bias", "margin_threshold",
                      "entropy_bound") + (("coreset_top_p",) if self.coreset_top_p is not None else ()):
             value = getattr(self, name)
             need(isinstance(value, numbers.Real) and not isinstance(value, bool),
                  f"{name} must be a number, got {value!r}")
-        need(all(is_int(e) for e in self.eos_token_id),
-             f"eos_token_id must be an int or a list of ints, got {self.eos_token_id!r}")
-        if self.max_new_tokens is not None:
-            need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-                 f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        need(is_int(self.block_size) and self.block_size >= 1,
-             f"block_size must be an integer >= 1, got {self.block_size!r}")
+            need(is_finite_number(value), f"{name} must be a finite number, got {value!r}")
+        for name in ("do_sample",) + (("coreset",) if self.coreset is not None else ()):
+            need(isinstance(getattr(self, name), (bool, np.bool_)),
+                 f"{name} must be True or False, got {getattr(self, name)!r}")
+        need(isinstance(self.eos_token_id, tuple) and all(is_integer(e) and 0 <= e <= MAX_INT32
+                                                          for e in self.eos_token_id),
+             f"eos_token_id must be an int or a list of ints (token ids >= 0), got {self.eos_token_id!r}")
+        for name in ("mask_token_id", "think_start_token_id", "think_end_token_id"):
+            need_int(name, 0, MAX_INT32, " (a token id)", optional=True)
+        need_int("max_new_tokens", 1, MAX_INT32, optional=True)
+        need_int("block_size", 1, MAX_BLOCK_COUNT)
         need(0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")
         if self.do_sample:  # transformers' configs may carry temperature 0 with greedy decoding
             need(self.temperature > 0, f"temperature must be > 0 when do_sample=True, got {self.temperature}")
-        need(is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        need_int("top_k", 0, MAX_INT32, " (0: off)")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty", "dllm_length_penalty", "dllm_think_end_bias"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         for name in ("dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_start",
                      "dllm_think_end_window"):
-            need(is_int(getattr(self, name)) and getattr(self, name) >= 0,
-                 f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        need(self.block_alignment in ("absolute", "prompt"),
+            need_int(name, 0, MAX_INT32)
+        need(isinstance(self.block_alignment, str) and self.block_alignment in ("absolute", "prompt"),
              f"block_alignment must be 'absolute' or 'prompt', got {self.block_alignment!r}")
-        need(callable(self.schedule) or self.schedule in schedules.BY_NAME,
+        need(callable(self.schedule) or isinstance(self.schedule, str) and self.schedule in schedules.BY_NAME,
              f"schedule must be one of {sorted(schedules.BY_NAME)} or a function, got {self.schedule!r}")
         need(self.schedule_params is None or isinstance(self.schedule_params, Mapping),
              f"schedule_params must be a dict of parameter values, got {self.schedule_params!r}")
-        if self.max_steps_per_block is not None:
-            need(is_int(self.max_steps_per_block) and self.max_steps_per_block >= 1,
-                 f"max_steps_per_block must be an integer >= 1, got {self.max_steps_per_block!r}")
-        need(is_int(self.tokens_per_step) and self.tokens_per_step >= 1,
-             f"tokens_per_step must be an integer >= 1, got {self.tokens_per_step!r}")
+        need_int("max_steps_per_block", 1, MAX_BLOCK_COUNT, optional=True)
+        need_int("tokens_per_step", 1, MAX_BLOCK_COUNT)
         need(self.margin_threshold >= 0, f"margin_threshold must be >= 0, got {self.margin_threshold}")
         need(self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}")
         if self.coreset_top_p is not None:
@@ -174,19 +202,51 @@ class GenerationConfig:
         return self.max_steps_per_block or self.block_size
 
 
+# The reader of each annotation's leading type, for generation_config.json (see `read_generation_config_json`).
+_JSON_READERS = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "tuple": "ids",
+                 "Mapping": "mapping"}
+
+
+def json_reader(field: dataclasses.Field) -> str:
+    """The `JsonFields` method that reads `field` from JSON, from its annotation's first type
+    ("int | None" -> "integer", "tuple[int, ...]" -> "ids", "str | Callable" -> "string")."""
+    return _JSON_READERS[str(field.type).split("|")[0].split("[")[0].strip()]
+
+
+def read_generation_config_json(path: str) -> dict[str, Any]:
+    """The `GenerationConfig` fields stored in the generation_config.json at `path`, each of the
+    JSON type its field needs (ConfigError otherwise); null and unused fields are left out."""
+    fields = JsonFields(read_json_object(path), path)
+    values = {}
+    for field in dataclasses.fields(GenerationConfig):
+        if fields.has(field.name):
+            reader = json_reader(field)
+            values[field.name] = fields.ids(field.name) if reader == "ids" else getattr(fields, reader)(field.name)
+    return values
+
+
 @functools.lru_cache(maxsize=8)
 def think_tokens_from_tokenizer(path: str) -> dict[str, int]:
-    """`<think>` / `</think>` ids from the checkpoint's tokenizer.json, when it has them."""
+    """`<think>` / `</think>` ids from the checkpoint's tokenizer.json, when it has them.
+
+    A tokenizer.json that is not JSON, or whose vocabulary or added tokens have the wrong shape,
+    is a ConfigError naming the file."""
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_path):
         return {}
-    with open(tokenizer_path) as handle:
-        tokenizer = json.load(handle)
-    vocabulary = dict(tokenizer.get("model", {}).get("vocab", {}) or {})
-    vocabulary.update({token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])})
+    tokenizer = read_json_object(tokenizer_path)
+    model = tokenizer.get("model") or {}
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    added = tokenizer.get("added_tokens") or []
+    vocabulary = dict(vocab) if isinstance(vocab, dict) else {}  # BPE: {token: id}; other models: a list
+    if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
+        raise ConfigError(f"{tokenizer_path}: added_tokens must be a list of objects, got {show(added)}")
+    vocabulary.update({token["content"]: token.get("id") for token in added if isinstance(token.get("content"), str)})
     found = {}
-    if "<think>" in vocabulary:
-        found["think_start_token_id"] = vocabulary["<think>"]
-    if "</think>" in vocabulary:
-        found["think_end_token_id"] = vocabulary["</think>"]
+    for key, text in (("think_start_token_id", "<think>"), ("think_end_token_id", "</think>")):
+        if text in vocabulary:
+            if not is_integer(vocabulary[text]) or vocabulary[text] < 0:
+                raise ConfigError(f"{tokenizer_path}: the id of {text} must be an integer >= 0, got "
+                                  f"{show(vocabulary[text])}")
+            found[key] = vocabulary[text]
     return found

@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=defaults.train.steps)
     parser.add_argument("--batch-size", type=int, default=defaults.train.batch_size)
     parser.add_argument("--learning-rate", type=float, default=defaults.train.learning_rate)
+    parser.add_argument("--next-token-weight", type=float, default=defaults.train.next_token_weight,
+                        help="weight of the next-token loss on the causal pass (0: block diffusion only)")
     parser.add_argument("--seed", type=int, default=defaults.train.seed, help="data and noise seed")
     parser.add_argument("--model-seed", type=int, default=defaults.model_seed, help="parameter initialisation seed")
     parser.add_argument("--checkpoint-dir", default=None, help="Orbax checkpoints of the train state (resumable)")
@@ -40,7 +42,8 @@ def main(argv=None) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file it writes at INFO
 
     train = dataclasses.replace(defaults.train, steps=args.steps, batch_size=args.batch_size,
-                                learning_rate=args.learning_rate, seed=args.seed)
+                                learning_rate=args.learning_rate, next_token_weight=args.next_token_weight,
+                                seed=args.seed)
     recipe = dataclasses.replace(defaults, train=train, model_seed=args.model_seed)
     summary = train_tiny_clover(args.out, recipe, args.checkpoint_dir, progress=not args.no_progress)
     summary.pop("history")

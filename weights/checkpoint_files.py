@@ -24,6 +24,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the tensor and/or the file."""
 
 
+INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype names -> numpy dtypes (bfloat16 comes from ml_dtypes, which JAX ships).
 FLOAT_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
                 "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -60,7 +61,7 @@ class CheckpointFiles:
             for name, file in (weight_map or {}).items():
                 if self.tensors.get(name) is None or self.tensors[name].file != file:
                     raise CheckpointError(
-                        f"model.safetensors.index.json places tensor {name} in {file}, but {file} does not hold it")
+                        f"{INDEX_FILE} places tensor {name} in {file}, but {file} does not hold it")
         except BaseException:
             self.close()
             raise
@@ -137,18 +138,41 @@ def _discover_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files of `directory`, and the index's tensor -> file map if it has one."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-    index_path = os.path.join(directory, "model.safetensors.index.json")
+    index_path = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index_path):
-        try:
-            with open(index_path) as handle:
-                weight_map = json.load(handle)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{index_path} is not a valid safetensors index: {error}") from error
+        weight_map = _read_weight_map(index_path)
         return sorted(set(weight_map.values())), weight_map
     if os.path.isfile(os.path.join(directory, "model.safetensors")):
         return ["model.safetensors"], None
     raise CheckpointError(
-        f"no model.safetensors or model.safetensors.index.json in {directory!r}")
+        f"no model.safetensors or {INDEX_FILE} in {directory!r}")
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The index's `weight_map` {tensor name: file}, each file a relative path inside the checkpoint.
+
+    An entry that is absolute or climbs out with `..` is refused: the index must not make the
+    loader open files outside the checkpoint directory. (The files themselves may be symlinks,
+    as in the Hugging Face Hub cache, whose snapshots link to `../../blobs/...`.)
+    """
+    try:
+        with open(index_path, encoding="utf-8") as handle:
+            index = json.load(handle)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{index_path} is not valid JSON: {error}") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise CheckpointError(f"{index_path} is not a safetensors index: it needs an object with a 'weight_map'")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f"{index_path}: weight_map must be an object of tensor name -> file name strings")
+    files = {}
+    for name, file in weight_map.items():
+        parts = file.replace("\\", "/").split("/")
+        if not file or "\0" in file or os.path.isabs(file) or file.startswith(("/", "\\")) or ".." in parts:
+            raise CheckpointError(f"{index_path} places tensor {name} in {file!r}, which is not a file name inside "
+                                  "the checkpoint directory (absolute paths and '..' are refused)")
+        files[name] = os.path.normpath(file)
+    return files
 
 
 def _data_offsets(path: str) -> dict[str, int]:

@@ -25,6 +25,7 @@ from clover_jax.param_layout import flat_layout
 from clover_jax.quantization import QuantizedWeight, QuantSpec
 from clover_jax.quantization import quantize as quantize_weight
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles, aligned_empty
+from weights.finite_check import describe_source, require_finite
 from weights.name_table import Placement, Source, canonical_sources, expected_placements, normalise_prefix
 from weights.sharded_reads import read_sharded
 
@@ -51,6 +52,7 @@ def load_params(
     progress: bool = True,
     strict: bool = False,
     quantize: QuantSpec | str | None = None,
+    check_finite: bool = True,
 ) -> tuple[dict, LoadReport]:
     """Read `directory`'s safetensors into parameters of dtype `dtype` (None: the checkpoint's).
 
@@ -59,12 +61,11 @@ def load_params(
     Clover block-mode tensors that are absent take the spec §2 defaults (logged), unless `strict`.
     `quantize` ("int8", "int4", a `QuantSpec`): quantise the routed experts (and with `+dense` the
     dense projections) as each parameter is read, so the float model is never held whole.
+    `check_finite`: refuse a tensor holding NaN or Inf (CheckpointError naming it), checked on each
+    tensor as it is read, in the dtype it is loaded in (`weights.finite_check`; 8-13 GB/s on
+    bfloat16 on one CPU core). False skips the check.
     """
-    quantize = QuantSpec.parse(quantize)
-    if quantize is not None:  # a bad int4 group is refused before any file is opened
-        for path, shape in flat_layout(config).items():
-            if quantize.applies_to(path):
-                quantize.check_shape(path, shape)
+    quantize = quant_spec_for(config, quantize)  # a bad int4 group is refused before any file is opened
     started = time.perf_counter()
     placements = expected_placements(config)
     with CheckpointFiles(directory) as files:
@@ -99,7 +100,7 @@ def load_params(
                 if sharding is not None and len(sharding.device_set) > 1:
                     array, leaf_bytes = read_sharded(files, shape, target_dtype, sharding,
                                                       [(placements[n], sources.get(n)) for n in names],
-                                                      leaf_quantize)
+                                                      leaf_quantize, check_finite)
                     _set_path(params, path, array)
                     bytes_read += leaf_bytes
                     bar.update(leaf_bytes)
@@ -111,6 +112,8 @@ def load_params(
                         region[...] = placements[canonical].default
                         continue
                     files.read_into(sources[canonical].tensor, sources[canonical].index, region)
+                    if check_finite:
+                        require_finite(region, describe_source(files, sources[canonical], target_dtype))
                     bytes_read += region.nbytes
                     bar.update(region.nbytes)
                 if leaf_quantize is not None:
@@ -123,6 +126,13 @@ def load_params(
     logger.info("loaded %d tensors (%.2f GB, %s) from %s in %.1fs; skipped %d model.visual.*/mtp.* tensors",
                 report.tensors_read, bytes_read / 1e9, report.dtype, os.fspath(directory), report.seconds, skipped)
     return params, report
+
+
+def quant_spec_for(config: CloverConfig, quantize: QuantSpec | str | None) -> QuantSpec | None:
+    """`quantize` parsed and fitted to `config` (plain "int4" takes the largest even group, up to
+    128, that divides the quantised widths; an explicit group that does not is a ValueError)."""
+    quantize = QuantSpec.parse(quantize)
+    return None if quantize is None else quantize.fitted(flat_layout(config))
 
 
 def _match_tensors(files: CheckpointFiles, config: CloverConfig, placements: dict[str, Placement],

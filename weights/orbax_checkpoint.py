@@ -11,7 +11,13 @@ Conversion is atomic. Everything but the manifest is built in a temporary siblin
 place, and the manifest is written (through a temporary name, fsynced, renamed) last. A failed
 conversion removes what it wrote; one killed outright leaves a directory without a manifest,
 which `load_orbax_params` refuses with a `CheckpointError` saying to rerun the conversion. So
-no interrupted conversion leaves a directory that loads.
+no interrupted conversion leaves a directory that loads. The staging directories are named for
+the converting process, and the next conversion into the same output removes those whose
+process is gone (`weights.staging`).
+
+The source is never written to: an output that is the source, holds it, or lies anywhere inside
+it is refused (real paths, symlinks and bind mounts seen through), and `overwrite=True` replaces
+only an earlier conversion (or an empty directory), never a directory holding anything else.
 
 Loading restores every leaf straight into its target sharding (`jax.ShapeDtypeStruct` with a
 sharding as the restore target), so each process reads only the shards its devices hold and a
@@ -26,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -39,7 +44,9 @@ from clover_jax.config import CloverConfig
 from clover_jax.param_layout import flat_layout
 from clover_jax.quantization import QuantizedWeight, QuantSpec, quantize
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
-from weights.loader import LoadReport, ShardingFor, load_params
+from weights.finite_check import require_finite_array
+from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for
+from weights.staging import contains, make_staging, remove_stale_staging
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +94,18 @@ def convert_to_orbax(
     progress: bool = True,
     overwrite: bool = False,
     quantize: QuantSpec | str | None = None,
+    check_finite: bool = True,
 ) -> OrbaxManifest:
     """Convert the Hugging Face checkpoint `hf_dir` into a self-contained Orbax directory `out_dir`.
 
     dtype: parameter dtype to store (None: the checkpoint's); name_map: as for `load_params`.
-    overwrite: replace an existing non-empty `out_dir` (otherwise refused with FileExistsError).
+    overwrite: replace an existing `out_dir` that holds an earlier conversion, finished or
+        interrupted (otherwise refused with FileExistsError). A directory holding anything else
+        is never replaced, and `out_dir` may not be the source, contain it, or lie inside it
+        (ValueError); both are compared as real paths, symlinks resolved.
     quantize: store weight-only quantised weights ("int8", "int4", ... as for `load_params`);
         loading the directory then restores them as they are, without quantising again.
+    check_finite: refuse a source tensor holding NaN or Inf, as `load_params` does.
 
     Peak memory: `load_params` places the parameters on the default device, so the model is
     held once there (host memory on the CPU backend, device memory on an accelerator) plus one
@@ -105,39 +117,39 @@ def convert_to_orbax(
     checkpoint above the JAX baseline.)
     Run it in one process (on one host); the result loads on any number of hosts.
     """
-    source, target = os.path.abspath(os.fspath(hf_dir)), os.path.abspath(os.fspath(out_dir))
+    # Real paths: a symlinked out_dir is written where it points, and compared with the source there.
+    source, target = os.path.realpath(os.fspath(hf_dir)), os.path.realpath(os.fspath(out_dir))
     _check_out_dir(source, target, overwrite)
     if jax.process_count() > 1:
         raise ValueError("convert_to_orbax runs in a single process; convert on one host, then load on many")
     config = CloverConfig.from_pretrained(source)
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.converting-", dir=parent)
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
+    quantize = quant_spec_for(config, quantize)  # the manifest records the int4 group actually used
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    remove_stale_staging(target)
+    building = make_staging(target, "converting")
     placed = False
     try:
-        quantize = QuantSpec.parse(quantize)
         params, report = load_params(source, config, dtype=dtype, name_map=name_map, progress=progress,
-                                     quantize=quantize)
+                                     quantize=quantize, check_finite=check_finite)
         params = _quantized_as_dicts(params)
         leaves = jax.tree.leaves(params)
         manifest = OrbaxManifest(
             format_version=FORMAT_VERSION, dtype=report.dtype, num_leaves=len(leaves),
             num_parameters=sum(int(leaf.size) for leaf in leaves), bytes=sum(int(leaf.nbytes) for leaf in leaves),
-            source=source, copied_files=tuple(_copy_metadata_files(source, staging)),
+            source=source, copied_files=tuple(_copy_metadata_files(source, building)),
             quantization=None if quantize is None else quantize.name)
         del leaves
         started = time.perf_counter()
-        logger.info("writing the Orbax checkpoint (%.2f GB, %s) to %s", manifest.bytes / 1e9, manifest.dtype, staging)
-        _checkpointer().save(os.path.join(staging, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+        logger.info("writing the Orbax checkpoint (%.2f GB, %s) to %s", manifest.bytes / 1e9, manifest.dtype, building)
+        _checkpointer().save(os.path.join(building, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
         del params
-        _fsync_tree(staging)
+        _fsync_tree(building)
         logger.info("wrote and synced %.2f GB in %.1fs", manifest.bytes / 1e9, time.perf_counter() - started)
-        _move_into_place(staging, target)
+        _move_into_place(building, target)
         placed = True
         _write_durably(os.path.join(target, MANIFEST), manifest.to_json())  # the completion marker, last
     except BaseException:
-        shutil.rmtree(target if placed else staging, ignore_errors=True)
+        shutil.rmtree(target if placed else building, ignore_errors=True)
         raise
     logger.info("converted %s -> %s (%d leaves, %d parameters)", source, target, manifest.num_leaves,
                 manifest.num_parameters)
@@ -145,14 +157,23 @@ def convert_to_orbax(
 
 
 def _check_out_dir(source: str, target: str, overwrite: bool) -> None:
+    """Refuse, before anything is read or written, an output that could touch the source or
+    replace what is not an earlier conversion. `source` and `target` are real paths."""
     if not os.path.isdir(source):
         raise CheckpointError(f"checkpoint directory {source!r} does not exist")
     if os.path.exists(target) and not os.path.isdir(target):
         raise FileExistsError(f"out_dir {target!r} exists and is not a directory")
-    if target == source or source.startswith(target + os.sep):
+    if contains(target, source):
         raise ValueError(f"out_dir {target!r} would replace the source checkpoint {source!r}; choose another")
-    if os.path.isdir(target) and os.listdir(target) and not overwrite:
-        raise FileExistsError(f"out_dir {target!r} exists and is not empty; pass overwrite=True to replace it")
+    if contains(source, target):
+        raise ValueError(f"out_dir {target!r} lies inside the source checkpoint {source!r}; choose a directory "
+                         "outside it")
+    if os.path.isdir(target) and os.listdir(target):
+        if not overwrite:
+            raise FileExistsError(f"out_dir {target!r} exists and is not empty; pass overwrite=True to replace it")
+        if not is_orbax_checkpoint(target):
+            raise FileExistsError(f"out_dir {target!r} holds files that are not an earlier convert_to_orbax result; "
+                                  "overwrite=True replaces only those: choose another directory or empty it")
 
 
 def _copy_metadata_files(source: str, staging: str) -> list[str]:
@@ -169,12 +190,6 @@ def _copy_metadata_files(source: str, staging: str) -> list[str]:
         copied.append(name)
     logger.info("copied %d metadata files: %s", len(copied), copied)
     return copied
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _fsync_tree(root: str) -> None:
@@ -209,7 +224,7 @@ def _move_into_place(staging: str, target: str) -> None:
     parent = os.path.dirname(target)
     old = None
     if os.path.isdir(target):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.replaced-", dir=parent)
+        old = make_staging(target, "replaced")
         os.replace(target, os.path.join(old, "old"))
     os.replace(staging, target)
     _fsync(parent)
@@ -259,11 +274,14 @@ def load_orbax_params(
     sharding_for: ShardingFor | None = None,
     dtype: Any = None,
     progress: bool = True,
+    check_finite: bool = True,
 ) -> tuple[dict, LoadReport]:
     """Restore the parameters of a `convert_to_orbax` directory, each leaf straight into its sharding.
 
     sharding_for(path, shape) gives each parameter's sharding; default: the default device.
     dtype: None keeps the stored dtype; otherwise leaves are cast while they are read.
+    check_finite: refuse a parameter holding NaN or Inf (CheckpointError naming it), checked on
+        each leaf as it is restored (`weights.finite_check`); False skips the check.
     Raises CheckpointError for an unfinished conversion or a tree that does not fit `config`;
     both are checked before any tensor data is read.
 
@@ -299,6 +317,8 @@ def load_orbax_params(
               desc="restoring weights", disable=not progress) as bar:
         for batch in _batches(targets, RESTORE_BATCH_BYTES):
             for path, array in _restore(directory, batch).items():
+                if check_finite:
+                    require_finite_array(array, f"parameter {'/'.join(path)} in {directory}/{PARAMS_DIR}")
                 _set_path(params, path, array)
                 bar.update(_nbytes(array))
     params = _dicts_as_quantized(params)

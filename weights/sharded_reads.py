@@ -15,22 +15,25 @@ import numpy as np
 from clover_jax.quantization import QuantizedWeight, QuantSpec
 from clover_jax.quantization import quantize as quantize_weight
 from weights.checkpoint_files import CheckpointFiles, aligned_empty
+from weights.finite_check import describe_source, require_finite
 from weights.name_table import SQUEEZE_CHANNEL, Placement, Source
 
 
 def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
                   parts: list[tuple[Placement, Source | None]],
-                  quantize: QuantSpec | None = None) -> tuple[jax.Array | QuantizedWeight, int]:
+                  quantize: QuantSpec | None = None,
+                  check_finite: bool = True) -> tuple[jax.Array | QuantizedWeight, int]:
     """One parameter placed with `sharding`, each addressable device's slice read on its own
     (`jax.make_array_from_callback`): no host ever assembles a sharded parameter whole, and a
     process reads only the slices of its own devices. Devices holding the same slice (replicas)
-    share one read. Returns the array and the bytes read."""
+    share one read. `check_finite`: refuse a slice holding NaN or Inf, naming its tensor.
+    Returns the array and the bytes read."""
     reads: dict[tuple, np.ndarray] = {}
 
     def read_slice(index: tuple) -> np.ndarray:
         ranges = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
         if ranges not in reads:
-            reads[ranges] = _read_region(files, ranges, dtype, parts)
+            reads[ranges] = _read_region(files, ranges, dtype, parts, check_finite)
         return reads[ranges]
 
     if quantize is None:
@@ -60,7 +63,7 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
 
 
 def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dtype: np.dtype,
-                 parts: list[tuple[Placement, Source | None]]) -> np.ndarray:
+                 parts: list[tuple[Placement, Source | None]], check_finite: bool = True) -> np.ndarray:
     """The part of a parameter inside `ranges` ([start, stop) per axis), from the checkpoint
     tensors placed in it. A placement fills `param[lead ints][optional slice][...]`."""
     out = aligned_empty(tuple(stop - start for start, stop in ranges), dtype)
@@ -85,6 +88,8 @@ def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dt
         if placement.transform == SQUEEZE_CHANNEL:
             within.insert(1, slice(0, 1))
         out[destination] = files.read(source.tensor, _compose(source.index, within)).reshape(out[destination].shape)
+        if check_finite:
+            require_finite(out[destination], describe_source(files, source, dtype))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The block-diffusion training objective (BD3-LM weighting) on Clover's real block-mode pass.
+"""The training objective: block diffusion (BD3-LM weighting) on Clover's real block-mode pass,
+jointly with the next-token loss on its causal pass.
 
 For each example, a masking ratio t ~ U(min_ratio, 1) (min_ratio small, default 0.02, so that
 the 1/t weight stays bounded; BD3-LM clips its schedule the same way) masks each maskable
@@ -11,6 +12,15 @@ weighted 1/t and normalised by the block size:
     loss = mean over examples of  (1 / (t · B)) · Σ_{masked j} −log p(x_j | prefix, noisy block)
 
 Every parameter, the Clover block-mode ones included, receives gradients.
+
+`joint_loss` adds the next-token cross-entropy of the same examples' clean conversations on
+the causal pass (`clover_jax.training.next_token`), weighted by λ:
+
+    joint = block-diffusion loss + λ · next-token loss
+
+Block diffusion alone teaches the block-mode pass but leaves the causal pass's own
+predictions (row p → token p + 1) untrained, so autoregressive decoding, and the verify pass
+of self-speculative decoding, would produce nonsense; the joint objective trains both.
 """
 
 from __future__ import annotations
@@ -23,6 +33,16 @@ import jax.numpy as jnp
 from clover_jax.model import CloverTransformer, Params
 from clover_jax.state import empty_state
 from clover_jax.training.batches import TrainBatch
+from clover_jax.training.next_token import NextTokenParts, next_token_loss
+
+
+class JointParts(NamedTuple):
+    """Diagnostics of the joint loss: the block-diffusion loss and its parts, and the next-token parts
+    (NaN when the next-token weight is 0 and the causal pass is skipped)."""
+
+    diffusion_loss: jax.Array
+    diffusion: "LossParts"
+    next_token: NextTokenParts
 
 
 class NoisyBlock(NamedTuple):
@@ -92,3 +112,16 @@ def block_diffusion_loss(params: Params, module: CloverTransformer, batch: Train
     logits = block_logits(module, params, jnp.asarray(batch.prefix_ids), jnp.asarray(batch.start), noisy.ids,
                           coreset, coreset_top_p)
     return weighted_masked_cross_entropy(logits, block_ids, noisy)
+
+
+def joint_loss(params: Params, module: CloverTransformer, batch: TrainBatch, key: jax.Array, mask_token_id: int,
+               next_token_weight: float = 1.0, coreset: bool = True, coreset_top_p: float = 0.9,
+               min_ratio: float = 0.02) -> tuple[jax.Array, JointParts]:
+    """Block-diffusion loss + next_token_weight · next-token loss of one batch (see the module docstring)."""
+    diffusion, parts = block_diffusion_loss(params, module, batch, key, mask_token_id, coreset, coreset_top_p,
+                                            min_ratio)
+    if next_token_weight == 0:  # a static choice: the causal pass is not traced at all
+        nan = jnp.float32(jnp.nan)
+        return diffusion, JointParts(diffusion, parts, NextTokenParts(nan, nan))
+    next_token = next_token_loss(params, module, batch.sequence_ids, batch.sequence_start, batch.is_response)
+    return diffusion + next_token_weight * next_token.cross_entropy, JointParts(diffusion, parts, next_token)

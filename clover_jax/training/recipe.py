@@ -20,7 +20,7 @@ import numpy as np
 from clover_jax.config import CloverConfig
 from clover_jax.model import CloverTransformer
 from clover_jax.state import empty_state
-from clover_jax.training.batches import TrainBatch, make_batch, prefix_width
+from clover_jax.training.batches import TrainBatch, make_batch, prefix_width, sequence_width
 from clover_jax.training.task import SortDigits
 from clover_jax.training.trainer import TrainConfig, Trainer, count_parameters
 from clover_jax.training.vocabulary import (ENDOFTEXT, IM_END, MASK, THINK_END, THINK_START, build_tokenizer,
@@ -109,6 +109,7 @@ def batch_source(recipe: Recipe, tokenizer, pad_id: int) -> Callable[[int], Trai
     sampler = task.training_sampler(config.seed)
     max_prompt, max_response = task.max_lengths(tokenizer)
     widths = {size: prefix_width(max_prompt, max_response, size) for size in recipe.block_sizes}
+    seq_width = sequence_width(max_prompt, max_response)
     weights = np.asarray(recipe.block_size_weights, np.float64) / np.sum(recipe.block_size_weights)
 
     def batch_for_step(step: int) -> TrainBatch:
@@ -117,7 +118,7 @@ def batch_source(recipe: Recipe, tokenizer, pad_id: int) -> Callable[[int], Trai
         problems = sampler.problems(step, config.batch_size)
         thinking = rng.random(config.batch_size) < recipe.thinking_fraction
         examples = [task.encode(tokenizer, problem, bool(on)) for problem, on in zip(problems, thinking)]
-        return make_batch(examples, size, widths[size], pad_id, rng)
+        return make_batch(examples, size, widths[size], pad_id, rng, seq_width=seq_width)
 
     return batch_for_step
 

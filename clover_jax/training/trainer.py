@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.model import CloverTransformer, Params
 from clover_jax.training.batches import TrainBatch
-from clover_jax.training.objective import block_diffusion_loss
+from clover_jax.training.objective import joint_loss
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     adam_b2: float = 0.98
     min_mask_ratio: float = 0.02
+    # λ of the joint objective: block diffusion + λ · next-token loss on the causal pass (0: diffusion only)
+    next_token_weight: float = 1.0
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 25
@@ -80,14 +82,16 @@ def gdn_chunk_size(chunk_size: int | None) -> Iterator[None]:
 
 
 class Trainer:
-    """Block-diffusion training of a `CloverTransformer` (see `clover_jax.training.objective`)."""
+    """Joint block-diffusion and next-token training of a `CloverTransformer` (see
+    `clover_jax.training.objective`)."""
 
     def __init__(self, module: CloverTransformer, config: TrainConfig, mask_token_id: int, coreset: bool = True,
                  coreset_top_p: float = 0.9):
         self.module = module
         self.config = config
         self.optimizer = make_optimizer(config)
-        loss = functools.partial(block_diffusion_loss, module=module, mask_token_id=mask_token_id, coreset=coreset,
+        loss = functools.partial(joint_loss, module=module, mask_token_id=mask_token_id,
+                                 next_token_weight=config.next_token_weight, coreset=coreset,
                                  coreset_top_p=coreset_top_p, min_ratio=config.min_mask_ratio)
 
         def train_step(state: TrainState, batch: TrainBatch, key: jax.Array):
@@ -95,8 +99,11 @@ class Trainer:
                 lambda params: loss(params, batch=batch, key=key), has_aux=True)(state.params)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": value, "cross_entropy": parts.cross_entropy, "accuracy": parts.accuracy,
-                       "masked_fraction": parts.masked_fraction, "grad_norm": optax.global_norm(grads)}
+            metrics = {"loss": value, "diffusion_loss": parts.diffusion_loss,
+                       "cross_entropy": parts.diffusion.cross_entropy, "accuracy": parts.diffusion.accuracy,
+                       "masked_fraction": parts.diffusion.masked_fraction,
+                       "next_token_cross_entropy": parts.next_token.cross_entropy,
+                       "next_token_accuracy": parts.next_token.accuracy, "grad_norm": optax.global_norm(grads)}
             return TrainState(state.step + 1, params, opt_state), metrics
 
         self._train_step = jax.jit(train_step, donate_argnums=0)
@@ -134,10 +141,13 @@ class Trainer:
                     state, metrics = self.step(state, batch_for_step(step), jax.random.fold_in(base_key, step))
                     done = step + 1
                     if done % config.log_every == 0 or done == config.steps:
-                        record = {name: float(value) for name, value in jax.device_get(metrics).items()}
+                        # NaN marks a part that was not computed (the next-token loss at weight 0)
+                        record = {name: float(value) for name, value in jax.device_get(metrics).items()
+                                  if not np.isnan(value)}
                         record.update(step=done, seconds=time.perf_counter() - started)
                         history.append(record)
-                        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}")
+                        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
+                                        next_acc=f"{record.get('next_token_accuracy', float('nan')):.3f}")
                         logger.debug("step %d: %s", done, record)
                     if manager is not None:
                         _save(manager, done, state, force=done == config.steps)

@@ -77,11 +77,67 @@ def test_plan_recommendation_follows_the_devices(clover_checkpoint):
     assert on_eight.options[0].weight_bytes < on_v5e.options[0].weight_bytes / 4
 
 
-def test_an_int4_group_that_does_not_divide_the_inputs_is_refused_before_reading(clover_checkpoint, monkeypatch):
+@pytest.mark.parametrize("quantize, message", [
+    ("int4-g6", "not a multiple of the int4 group_size 6"),
+    ("int4-g128", "input dimension 64, not a multiple of the int4 group_size 128"),
+    (QuantSpec(4), "not a multiple of the int4 group_size 128"),  # a group given explicitly, by default
+])
+def test_an_explicit_int4_group_that_does_not_divide_the_inputs_is_refused_before_reading(
+        clover_checkpoint, monkeypatch, quantize, message):
     from weights import checkpoint_files, load_params
 
     monkeypatch.setattr(checkpoint_files.CheckpointFiles, "__init__", lambda *a: pytest.fail("files were opened"))
     from clover_jax import CloverConfig
 
-    with pytest.raises(ValueError, match="not a multiple of the int4 group_size 6"):
-        load_params(clover_checkpoint, CloverConfig.from_pretrained(clover_checkpoint), quantize="int4-g6")
+    with pytest.raises(ValueError, match=message):
+        load_params(clover_checkpoint, CloverConfig.from_pretrained(clover_checkpoint), quantize=quantize)
+
+
+def largest_even_group(widths, limit=128):
+    """The naive reading of the rule: the largest even group up to `limit` dividing every width."""
+    return max([g for g in range(2, limit + 1, 2) if all(w % g == 0 for w in widths)], default=None)
+
+
+@pytest.mark.parametrize("text, widths", [
+    ("int4", [64, 32]),                    # routed experts: gate_up reads hidden 64, down reads 32
+    ("int4+dense", [64, 32, 128, 48]),     # + attention o_proj (4 heads x 32) and the shared expert (48)
+])
+def test_plain_int4_fits_the_largest_dividing_group_and_says_so(clover, text, widths, caplog):
+    from clover_jax.param_layout import flat_layout
+
+    spec = QuantSpec.parse(text)
+    layout = flat_layout(clover.config)
+    assert sorted({shape[-1] for path, shape in layout.items() if spec.applies_to(path)}) == sorted(widths)
+    with caplog.at_level("INFO", logger="clover_jax.quantization"):
+        fitted = spec.fitted(layout)
+    expected = largest_even_group(widths)
+    assert (fitted.bits, fitted.group_size, fitted.dense, fitted.name) == (
+        4, expected, spec.dense, f"int4-g{expected}" + ("+dense" if spec.dense else ""))
+    assert f"group_size 128 does not divide the quantised input widths {sorted(widths)}; using {expected}" in caplog.text
+    assert QuantSpec.parse(fitted.name) == fitted  # the name records the group used
+
+
+def test_plain_int4_loads_the_experts_in_the_fitted_groups(clover_checkpoint, clover):
+    from weights import load_params
+
+    params, _ = load_params(clover_checkpoint, clover.config, progress=False, quantize="int4")
+    loaded = params["groups"]["layer_3"]["mlp"]["experts_down_proj"]
+    float_weight = np.asarray(clover.params["groups"]["layer_3"]["mlp"]["experts_down_proj"])
+    expected = quantize(float_weight, QuantSpec(4, group_size=32))
+    assert loaded.scales.shape == float_weight.shape[:-1] + (1,)  # 32 inputs: one group of 32
+    np.testing.assert_array_equal(np.asarray(loaded.values), expected.values)
+    np.testing.assert_array_equal(np.asarray(loaded.scales).view(np.uint16), expected.scales.view(np.uint16))
+
+
+def test_int4_without_any_even_dividing_group_is_refused():
+    layout = {("groups", "layer_0", "mlp", "experts_gate_up_proj"): (1, 4, 8, 63),
+              ("groups", "layer_0", "mlp", "experts_down_proj"): (1, 4, 63, 32)}
+    with pytest.raises(ValueError, match=r"the widths \[32, 63\] have none; use int8"):
+        QuantSpec.parse("int4").fitted(layout)
+    assert QuantSpec.parse("int8").fitted(layout) == QuantSpec(8)
+
+
+@pytest.mark.parametrize("text", ["int8-g64", "int4-g", "int4-gx", "int4-g-2", "int4-g0", "int16", "int4+sparse"])
+def test_malformed_quantize_names_are_refused(text):
+    with pytest.raises(ValueError, match="quantize=|group_size must be an even number"):
+        QuantSpec.parse(text)

@@ -129,6 +129,10 @@ def test_loss_decreases_over_a_few_steps_on_a_random_tiny_model(tiny_trainer_set
     losses = [record["loss"] for record in history]
     assert len(losses) == 30 and all(math.isfinite(loss) for loss in losses)
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    # both halves of the joint objective are learned
+    for name in ("diffusion_loss", "next_token_cross_entropy"):
+        part = [record[name] for record in history]
+        assert np.mean(part[-5:]) < 0.6 * np.mean(part[:5]), name
 
 
 def test_training_resumes_from_its_orbax_checkpoint(tiny_trainer_setup, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,18 +163,107 @@ def test_the_staging_directory_of_a_killed_conversion_is_refused(converted, tmp_
         load_orbax_params(staging, CloverConfig.from_pretrained(converted), progress=False)
 
 
-def test_an_existing_directory_is_only_replaced_with_overwrite(clover_checkpoint, tmp_path):
+def test_overwrite_replaces_an_earlier_conversion_and_nothing_else(clover_checkpoint, converted, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         convert_to_orbax(clover_checkpoint, out, progress=False)
-    assert (out / "keep.txt").read_text() == "precious"
+    with pytest.raises(FileExistsError, match="not an earlier convert_to_orbax result"):
+        convert_to_orbax(clover_checkpoint, out, progress=False, overwrite=True)
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
 
-    convert_to_orbax(clover_checkpoint, out, progress=False, overwrite=True)
-    assert not (out / "keep.txt").exists()
-    assert sorted(os.listdir(tmp_path)) == ["out"]
-    load(str(out))
+    # An earlier conversion, reached through a symlink: replaced where the link points.
+    previous = tmp_path / "previous"
+    shutil.copytree(converted, previous)
+    (previous / "stale.txt").write_text("from the earlier conversion")
+    (tmp_path / "link").symlink_to(previous)
+    convert_to_orbax(clover_checkpoint, tmp_path / "link", progress=False, overwrite=True)
+    assert not (previous / "stale.txt").exists() and (tmp_path / "link").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["link", "out", "previous"]
+    load(str(previous))
+
+
+def tree_state(root) -> dict:
+    """Every entry under `root`: a link's target, a file's bytes, or "dir"."""
+    state = {}
+    for directory, subdirectories, files in os.walk(root):
+        for name in subdirectories + files:
+            path = os.path.join(directory, name)
+            state[os.path.relpath(path, root)] = (
+                "link:" + os.readlink(path) if os.path.islink(path) else
+                "dir" if os.path.isdir(path) else open(path, "rb").read())
+    return state
+
+
+@pytest.mark.parametrize("where", ["the source", "a symlink to the source", "params inside it", "deep inside it",
+                                   "a symlink to a path inside it", "its parent", "a symlink to its parent"])
+def test_an_output_that_is_the_source_holds_it_or_lies_inside_it_is_refused_before_anything_is_written(
+        checkpoint_copy, tmp_path, monkeypatch, where):
+    source = tmp_path / "copy"
+    assert str(source) == checkpoint_copy
+    outputs = {"the source": source, "a symlink to the source": tmp_path / "link",
+               "params inside it": source / "params", "deep inside it": source / "a" / "b" / "c",
+               "a symlink to a path inside it": tmp_path / "inner", "its parent": tmp_path,
+               "a symlink to its parent": source / "up"}
+    (tmp_path / "link").symlink_to(source)
+    (tmp_path / "inner").symlink_to(source / "sub")
+    (source / "up").symlink_to(tmp_path)
+    before = tree_state(tmp_path)
+    monkeypatch.setattr(orbax_checkpoint, "load_params", lambda *args, **kwargs: pytest.fail("the source was read"))
+    with pytest.raises(ValueError, match="the source checkpoint"):
+        convert_to_orbax(checkpoint_copy, outputs[where], progress=False, overwrite=True)
+    assert tree_state(tmp_path) == before
+
+
+def test_a_conversion_removes_the_staging_an_interrupted_one_left(clover_checkpoint, tmp_path, monkeypatch):
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(orbax_checkpoint, "_fsync_tree", killed)  # killed while writing: no cleanup runs
+    monkeypatch.setattr(orbax_checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_orbax(clover_checkpoint, tmp_path / "out", progress=False)
+    monkeypatch.undo()
+    [left] = os.listdir(tmp_path)
+    match = re.fullmatch(rf"\.out\.converting-{os.getpid()}-(?P<host>[\w.]+)-\w+", left)
+    assert match and os.listdir(tmp_path / left) != []
+    # as if another process had been killed: its id is now free
+    finished = subprocess.Popen([sys.executable, "-c", ""])
+    finished.wait()
+    host, dead = match["host"], finished.pid
+    stale = tmp_path / left.replace(f"-{os.getpid()}-", f"-{dead}-")
+    os.rename(tmp_path / left, stale)
+    (tmp_path / f".out.replaced-{dead}-{host}-abc" / "old").mkdir(parents=True)  # an output moved aside
+    kept = [f".out.converting-{os.getppid()}-{host}-abc",  # its process still runs
+            f".out.converting-{dead}-elsewhere-abc",        # another host's: cannot tell
+            f".other.converting-{dead}-{host}-abc"]          # another output's
+    for name in kept:
+        (tmp_path / name).mkdir()
+    convert_to_orbax(clover_checkpoint, tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["out"] + kept)
+    load(str(tmp_path / "out"))
+
+
+def test_non_finite_parameters_are_refused_by_conversion_and_by_loading(checkpoint_copy, tmp_path, compilations):
+    from safetensors.numpy import load_file, save_file
+
+    weights_file = os.path.join(checkpoint_copy, "model.safetensors")
+    tensors = load_file(weights_file)
+    tensors["model.layers.1.linear_attn.in_proj_z.weight"][3, 5] = np.nan
+    save_file(tensors, weights_file)
+    out = tmp_path / "nan"
+    with pytest.raises(CheckpointError, match="in_proj_z.weight in model.safetensors holds 1 NaN"):
+        convert_to_orbax(checkpoint_copy, out, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["copy"]
+    convert_to_orbax(checkpoint_copy, out, progress=False, check_finite=False)
+    compilations.clear()
+    with pytest.raises(CheckpointError, match=r"parameter groups/layer_1/linear_attn/in_proj_z/weight in .*/params "
+                                              r"holds 1 NaN and 0 Inf of 8192 values, the first at index \(0, 3, 5\)"):
+        load(str(out))
+    assert compilations == []
+    params, _ = load(str(out), check_finite=False)
+    assert np.isnan(np.asarray(params["groups"]["layer_1"]["linear_attn"]["in_proj_z"]["weight"])[0, 3, 5])
 
 
 def test_an_empty_directory_is_filled_and_the_source_is_never_replaced(clover_checkpoint, tmp_path):
@@ -239,8 +329,9 @@ def test_a_quantised_conversion_loads_without_quantising_again(clover_checkpoint
     from weights import loader
 
     out = tmp_path / "int4"
-    convert_to_orbax(clover_checkpoint, out, progress=False, quantize="int4-g16")
-    expected = CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize="int4-g16")
+    manifest = convert_to_orbax(clover_checkpoint, out, progress=False, quantize="int4")
+    assert manifest.quantization == "int4-g32"  # the group plain "int4" took: 128 does not divide 64 and 32
+    expected = CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize="int4")
     monkeypatch.setattr(loader, "quantize_weight", lambda *a: pytest.fail("quantised again while loading"))
     loaded = CloverModel.from_pretrained(out, progress=False)
     is_quantized = lambda leaf: isinstance(leaf, QuantizedWeight)

@@ -1,0 +1,171 @@
+"""clover-jax as an `lm-eval` model (`--model clover-jax`), answering `generate_until` with `generate`.
+
+    import decoding.lm_eval_model  # registers "clover-jax" with lm-eval
+    lm_eval.simple_evaluate(model="clover-jax",
+                            model_args="pretrained=PATH,block_size=32,threshold=0.9,schedule=dream,schedule.alg=entropy",
+                            tasks=["gsm8k"], apply_chat_template=True)
+
+or from the shell: `clover-jax-lm-eval --model clover-jax --model_args pretrained=PATH,... --tasks gsm8k`
+(lm-eval's own command line, with this model registered). model_args: `pretrained` (a checkpoint
+directory), `dtype`, `quantize`, `impl`; every `GenerationConfig` field (`block_size`, `threshold`,
+`max_new_tokens`, `schedule`, penalties, ...); `schedule.<name>` for a parameter of the schedule;
+`enable_thinking` (chat template variable) and `think_end_token` (the response is the text after
+its last occurrence; default `</think>` when the tokenizer has it, `none` keeps the thinking);
+`seed` for sampling. The batch size is lm-eval's `--batch_size` (`auto`: 8).
+
+Requests are grouped by their generation kwargs and decoded in batches. A request's `until`
+strings cut the decoded text (after the thinking is dropped), `max_gen_toks` is `max_new_tokens`,
+`do_sample` / `temperature` / `top_p` / `top_k` override the model args. Log-likelihood requests
+are refused: a block-diffusion LM has no exact likelihood here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import jax
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import postprocess_generated_text
+from tqdm.auto import tqdm
+
+from decoding.generation import generate
+from decoding.generation_config import GenerationConfig
+from decoding.research import padded_batches
+
+logger = logging.getLogger(__name__)
+
+MODEL_OPTIONS = ("dtype", "quantize", "impl")
+SCHEDULE_PREFIX = "schedule."
+NO_LIKELIHOOD = ("clover-jax serves generate_until requests only: a block-diffusion LM has no exact "
+                 "log-likelihood here, so {kind} tasks (multiple choice, perplexity) cannot be scored; "
+                 "pick generate_until tasks (e.g. gsm8k)")
+
+
+@register_model("clover-jax")
+class CloverLM(LM):
+    """An lm-eval `LM` over a Clover checkpoint; see the module docstring for `model_args`."""
+
+    def __init__(self, pretrained: str | None = None, batch_size: int | str | None = 8,
+                 max_batch_size: int | None = None, device: str | None = None, enable_thinking: bool | None = None,
+                 think_end_token: str | None = None, seed: int = 0, **options: Any):
+        super().__init__()
+        from clover_jax import CloverModel
+        from clover_jax.tokenization import Tokenizer
+
+        if not pretrained:
+            raise ValueError("clover-jax needs model_args='pretrained=PATH' (a checkpoint directory)")
+        fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+        load = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
+        schedule_params = {key[len(SCHEDULE_PREFIX):]: options.pop(key) for key in list(options)
+                           if key.startswith(SCHEDULE_PREFIX)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"clover-jax model_args {unknown} are unknown; allowed: pretrained, batch_size, "
+                             f"enable_thinking, think_end_token, seed, {', '.join(MODEL_OPTIONS)}, "
+                             f"'{SCHEDULE_PREFIX}<parameter>' and the GenerationConfig fields {sorted(fields)}")
+        if schedule_params:
+            options["schedule_params"] = {**(options.get("schedule_params") or {}), **schedule_params}
+        self.batch_size = _batch_size(batch_size)
+        if device is not None:
+            logger.info("clover-jax runs on JAX's devices (%s); device=%r is ignored", jax.devices()[0].platform,
+                        device)
+        self.config = GenerationConfig.from_pretrained(pretrained, **options)
+        self.tokenizer = Tokenizer.from_pretrained(pretrained)
+        self.model = CloverModel.from_pretrained(pretrained, progress=False, **load)
+        self.pretrained = str(pretrained)
+        self.enable_thinking = enable_thinking
+        if think_end_token is None and self.tokenizer.token_to_id("</think>") is not None:
+            think_end_token = "</think>"
+        self.think_end_token = None if str(think_end_token).lower() in ("none", "") else think_end_token
+        self.key = jax.random.key(int(seed))
+
+    # ------------------------------------------------------------------ refused request types
+    def loglikelihood(self, requests) -> list:
+        raise NotImplementedError(NO_LIKELIHOOD.format(kind="loglikelihood"))
+
+    def loglikelihood_rolling(self, requests) -> list:
+        raise NotImplementedError(NO_LIKELIHOOD.format(kind="loglikelihood_rolling"))
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """One text per request: the response decoded without special tokens, the thinking dropped
+        (see `think_end_token`), cut at the first of the request's `until` strings."""
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
+        results: list[str | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="clover-jax generate_until", disable=disable_tqdm)
+        for indices in groups.values():
+            gen_kwargs = dict(requests[indices[0]].args[1] or {})
+            until = gen_kwargs.pop("until", None)
+            config = self._config_for(gen_kwargs)
+            contexts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in indices]
+            done = 0
+            for batch, real in padded_batches(contexts, min(self.batch_size, len(contexts))):
+                out = generate(self.model, batch, config, key=self.key if config.do_sample else None)
+                for offset in range(real):
+                    text = self.tokenizer.decode(out.sequences[offset], skip_special_tokens=True)
+                    text = postprocess_generated_text(text, until, self.think_end_token)
+                    index = indices[done + offset]
+                    results[index] = text
+                    self.cache_hook.add_partial("generate_until", requests[index].args, text)
+                done += real
+                bar.update(real)
+        bar.close()
+        return results
+
+    def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
+        """The model args' generation config with a request's generation kwargs applied."""
+        changes = {}
+        if "max_gen_toks" in gen_kwargs:
+            changes["max_new_tokens"] = int(gen_kwargs.pop("max_gen_toks"))
+        temperature = gen_kwargs.pop("temperature", None)
+        do_sample = gen_kwargs.pop("do_sample", None)
+        if do_sample is not None:
+            changes["do_sample"] = bool(do_sample)
+        if temperature is not None:
+            if float(temperature) == 0.0:  # lm-eval's way of asking for greedy decoding
+                changes["do_sample"] = False
+            else:
+                changes["temperature"] = float(temperature)
+        for name in ("top_p", "top_k"):
+            if name in gen_kwargs:
+                changes[name] = gen_kwargs.pop(name)
+        if gen_kwargs:
+            logger.warning("clover-jax ignores generation kwargs %s", sorted(gen_kwargs))
+        return self.config.replace(**changes)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        variables = {} if self.enable_thinking is None else {"enable_thinking": bool(self.enable_thinking)}
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **variables)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.pretrained.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        return self.tokenizer.get_chat_template(None if chat_template is True else chat_template)
+
+
+def _batch_size(value: int | str | None) -> int:
+    if value is None or value == "auto" or (isinstance(value, str) and value.startswith("auto")):
+        return 8
+    size = int(value)
+    if size < 1:
+        raise ValueError(f"clover-jax batch_size must be >= 1, got {value!r}")
+    return size
+
+
+def main() -> None:
+    """lm-eval's command line with the clover-jax model registered (`clover-jax-lm-eval`)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -1,0 +1,99 @@
+"""The `clover-jax` lm-eval model: `lm_eval.simple_evaluate` on a local task YAML over a JSONL of the
+bundled model's prompts (no network), against direct `generate` calls; log-likelihood requests
+refused; bad model_args refused before loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clover_jax.cli import BUNDLED_MODEL
+
+pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").is_file(),
+                                reason="the bundled model is not in this checkout")
+COUNT, MAX_GEN_TOKS = 6, 24
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """lm_eval imported offline, and a task directory with a generate_until and a multiple-choice task."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is first imported
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield from _harness(tmp_path_factory)
+
+
+def _harness(tmp_path_factory):
+    lm_eval = pytest.importorskip("lm_eval")
+    import decoding.lm_eval_model  # noqa: F401  (registers "clover-jax")
+    from clover_jax.training.task import SortDigits
+
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    task = SortDigits()
+    problems = task.held_out(COUNT)
+    rows = [{"prompt": task.user_message(p), "answer": task.answer(p), "choices": [task.answer(p), "0"]}
+            for p in problems]
+    data = root / "sort.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n  cache_dir: {root / 'cache'}\n"
+              "test_split: test\ndoc_to_text: '{{prompt}}'\n")
+    (root / "clover_sort.yaml").write_text(
+        "task: clover_sort\n" + common + "output_type: generate_until\ndoc_to_target: '{{answer}}'\n"
+        f"generation_kwargs:\n  until: ['<|im_end|>']\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    (root / "clover_sort_choice.yaml").write_text(
+        "task: clover_sort_choice\n" + common + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: 0\nmetric_list:\n  - metric: acc\n")
+    from lm_eval.tasks import TaskManager
+
+    yield lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows
+
+
+def test_simple_evaluate_answers_generate_until_with_generate(harness):
+    lm_eval, tasks, rows = harness
+    from clover_jax import CloverModel
+    from clover_jax.tokenization import Tokenizer
+    from decoding import generate
+
+    results = lm_eval.simple_evaluate(model="clover-jax", model_args=f"pretrained={BUNDLED_MODEL},batch_size=4",
+                                      tasks=["clover_sort"], task_manager=tasks, apply_chat_template=True,
+                                      log_samples=True)
+    samples = sorted(results["samples"]["clover_sort"], key=lambda sample: sample["doc_id"])
+    got = [sample["resps"][0][0] for sample in samples]
+
+    # the same prompts through the chat template and `generate`, the thinking and the stop string cut by hand
+    tokenizer, model = Tokenizer.from_pretrained(BUNDLED_MODEL), CloverModel.from_pretrained(BUNDLED_MODEL,
+                                                                                             progress=False)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for row in rows]
+    expected = []
+    for first in range(0, COUNT, 4):
+        batch = prompts[first:first + 4]
+        out = generate(model, batch + [batch[-1]] * (4 - len(batch)), max_new_tokens=MAX_GEN_TOKS)
+        for sequence in out.sequences[:len(batch)]:
+            text = tokenizer.decode(sequence, skip_special_tokens=True)
+            expected.append(text.split("</think>")[-1].lstrip().split("<|im_end|>")[0])
+    assert got == expected
+    accuracy = results["results"]["clover_sort"]["exact_match,none"]
+    assert accuracy == sum(text == row["answer"] for text, row in zip(expected, rows)) / COUNT
+
+
+def test_loglikelihood_requests_are_refused_with_the_reason(harness):
+    lm_eval, tasks, _ = harness
+    from decoding.lm_eval_model import CloverLM
+
+    model = CloverLM(pretrained=str(BUNDLED_MODEL))
+    with pytest.raises(NotImplementedError, match="no exact log-likelihood"):
+        lm_eval.simple_evaluate(model=model, tasks=["clover_sort_choice"], task_manager=tasks)
+    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
+        model.loglikelihood_rolling([])
+
+
+def test_unknown_model_args_are_refused_before_the_checkpoint_is_read(harness):
+    from decoding.lm_eval_model import CloverLM
+
+    with pytest.raises(ValueError, match=r"model_args \['bogus'\] are unknown"):
+        CloverLM.create_from_arg_string("pretrained=/nonexistent,bogus=1")
+    with pytest.raises(ValueError, match="needs model_args='pretrained=PATH'"):
+        CloverLM.create_from_arg_string("block_size=8")
