@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clover_jax import compilation_cache
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
 from clover_jax.hub import resolve_checkpoint
@@ -61,6 +62,7 @@ class CloverModel:
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK, plan: MeshPlan | None = None, impl: str = "auto"):
+        compilation_cache.enable()
         self.config = config
         self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (spec §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
@@ -70,16 +72,6 @@ class CloverModel:
         self.module = CloverTransformer(config, self.dtype, self.kernels, plan)
         self.params = params
 
-    @classmethod
-    def _adopt(cls, config: CloverConfig, params: Params, *args, **kwargs) -> "CloverModel":
-        """A model that takes ownership of freshly loaded `params` (their stacked arrays are freed
-        as they are split per group, so the model is never held twice)."""
-        model = cls.__new__(cls)
-        kernels = choose_kernels(kwargs.get("impl", "auto"))
-        if kernels.layer_loop == "unrolled":
-            params = unstack_groups(params, donate=True)
-        model.__init__(config, params, *args, **kwargs)
-        return model
 
     @property
     def params(self) -> Params:
@@ -132,6 +124,8 @@ class CloverModel:
         """
         from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
 
+        compilation_cache.enable()  # before loading compiles its first program
+
         # the small files first: a bad config.json is refused before any weights are downloaded
         config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
         choose_kernels(impl)  # a bad impl is refused before reading weights
@@ -152,7 +146,7 @@ class CloverModel:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
                                                 quantize=quantize, check_finite=check_finite)
-        return cls._adopt(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl=impl)
+        return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:

@@ -133,9 +133,10 @@ class GatedDeltaNet(nn.Module):
             if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
                 rule = recurrent_gated_delta_rule
             elif self.kernels.gdn == "pallas":
-                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret)
+                chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
+                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
             else:
-                rule = chunked_gated_delta_rule
+                rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)

@@ -32,6 +32,16 @@ class KernelChoice:
     moe: str = "xla"           # "xla" | "pallas"
     platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
     layer_loop: str = "scan"   # "scan" | "unrolled": how the layer groups run (`clover_jax.model`)
+    # Tokens per chunk of the GDN chunked rule. None: chosen per pass, the smallest power of two
+    # from 16 to 64 that holds the pass's causal rows (a 16-token commit pays for 16, not 64); the
+    # Pallas kernel keeps its own 64 unless this is set.
+    gdn_chunk: int | None = None
+
+    def gdn_chunk_for(self, causal_rows: int) -> int:
+        """The GDN chunk of a pass with `causal_rows` causal rows."""
+        if self.gdn_chunk is not None:
+            return self.gdn_chunk
+        return min(64, max(16, 1 << max(0, causal_rows - 1).bit_length()))
 
     @property
     def interpret(self) -> bool:

@@ -8,6 +8,7 @@ one denoising step (attention scores of one key block, MoE rows, GDN chunk matri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -37,11 +38,16 @@ class MemoryEstimate:
                 f"GDN state {gb(self.gdn_state)} + activations {gb(self.activations)}")
 
 
+@functools.lru_cache(maxsize=32)
+def parameter_count(config: CloverConfig) -> int:
+    return sum(math.prod(shape) for shape in flat_layout(config).values())
+
+
 def estimate_memory(config: CloverConfig, batch: int, context_length: int, dtype="bfloat16",
                     chunk_size: int = 2048, block_size: int = 32) -> MemoryEstimate:
     """Bytes to run `batch` sequences of `context_length` positions (prompt + response)."""
     itemsize = np.dtype(dtype).itemsize
-    parameters = sum(math.prod(shape) for shape in flat_layout(config).values()) * itemsize
+    parameters = parameter_count(config) * itemsize
     attention_layers = config.layer_types.count("full_attention")
     gdn_layers = config.num_hidden_layers - attention_layers
     kv_cache = attention_layers * 2 * batch * context_length * config.num_key_value_heads * config.head_dim * itemsize

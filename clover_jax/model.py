@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from clover_jax.attention import GatedAttention
@@ -160,20 +161,33 @@ class CloverTransformer(nn.Module):
         return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
 
 
-def unstack_groups(params: Params, donate: bool = False) -> Params:
+def unstack_groups(params: Params) -> Params:
     """The "unrolled" layout: `params["groups"]` becomes a tuple of per-group trees without the
-    group axis, each leaf its own array (a copy). donate: delete each stacked array once it is
-    split, so that the model is never held twice (for parameters nobody else holds)."""
+    group axis, each leaf its own array.
+
+    A leaf on one CPU device is split on the host: each group's slice of the stacked buffer is
+    handed to `device_put`, which adopts aligned host memory without copying, so the groups share
+    the stacked buffer (no copy, no compiled program); other leaves are sliced by XLA (a copy).
+    """
     if isinstance(params["groups"], tuple):
         return params
     leaves, treedef = jax.tree_util.tree_flatten(params["groups"])
     per_group = [[] for _ in range(leaves[0].shape[0])]
     for leaf in leaves:
+        on_host = _host_view(leaf)
         for group, slices in enumerate(per_group):
-            slices.append(leaf[group])
-        if donate and isinstance(leaf, jax.Array):
-            leaf.delete()
+            slices.append(jax.device_put(on_host[group], leaf.sharding) if on_host is not None else leaf[group])
     return {**params, "groups": tuple(jax.tree_util.tree_unflatten(treedef, slices) for slices in per_group)}
+
+
+def _host_view(leaf) -> "np.ndarray | None":
+    """A NumPy view of a leaf held on one CPU device (no copy), or None."""
+    if not isinstance(leaf, jax.Array):
+        return np.asarray(leaf)
+    devices = leaf.sharding.device_set
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return None
+    return np.asarray(leaf)
 
 
 def stack_groups(params: Params) -> Params:

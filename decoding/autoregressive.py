@@ -41,9 +41,11 @@ class AutoregressiveState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("module", "spec"))
 def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
-                       start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, keys: jax.Array,
+                       start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array,
                        controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
     """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches.
+
+    key: the call's PRNG key.
 
     Each iteration runs the forward of the latest token, then chooses the next one; the loop
     stops once every sequence is finished, so the forward after a sequence's last token never
@@ -66,7 +68,8 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
         thinking = (prompt_thinking | (think_start > 0)) & (think_end == 0)
         processed = jax.vmap(process, in_axes=(0, 0, None, 0, None, None))(
             state.logits[:, None], state.counts, index[None], thinking, controls, ids)
-        keys_now = jax.vmap(lambda key: jax.random.fold_in(key, index))(keys)
+        # sequence i samples from fold_in(key, i), then per token
+        keys_now = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), index))(jnp.arange(batch))
         choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys_now)
         token = choice.token[:, 0]
         live = ~state.finished

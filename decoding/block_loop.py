@@ -70,7 +70,7 @@ class Request(NamedTuple):
     max_new_tokens: jax.Array    # int32 [b]
     prompt_thinking: jax.Array   # bool [b]: the prompt ends inside an unclosed <think>
     has_prefix: jax.Array        # bool [b]: the sequence alone would have run a prefill
-    keys: jax.Array              # PRNG keys [b]
+    key: jax.Array               # the call's PRNG key; sequence i samples from fold_in(key, i)
     coreset_top_p: jax.Array     # float32 []
     schedule_params: Any         # the schedule's parameters (a pytree of traced scalars)
 
@@ -155,7 +155,8 @@ def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.A
         (_count(state.counts, ids.think_end) == 0)
     processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
         logits, state.counts, response_index, thinking, controls, ids)
-    keys = jax.vmap(lambda key, s: jax.random.fold_in(jax.random.fold_in(key, block_iter), s))(request.keys, step)
+    keys = jax.vmap(lambda i, s: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(request.key, i), block_iter),
+                                                    s))(jnp.arange(batch), step)
     choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
     full_before = jnp.all(decided, axis=-1)
     view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
@@ -241,7 +242,7 @@ def _finish_block(d: Decoder, state: LoopState) -> LoopState:
 
 
 def _start(d: Decoder, track_steps: bool) -> LoopState:
-    """The prefill and the first denoising step of the first block."""
+    """The prefill; the first block's steps follow (`_finish_block`, or `next_step` one by one)."""
     spec, request = d.spec, d.request
     batch, size = request.first_block.shape
     vocab = d.module.config.vocab_size
@@ -268,7 +269,7 @@ def _start(d: Decoder, track_steps: bool) -> LoopState:
         distinct_experts=jnp.zeros((batch, spec.max_blocks), jnp.float32),
         nfe=request.has_prefix.astype(jnp.int32), history=history,
         last_step={} if track_steps else None)  # not None: every step leaves its record there
-    return _denoise_step(d, state)
+    return state
 
 
 def results(state: LoopState) -> Results:
@@ -312,7 +313,8 @@ def next_block(module, params, spec: LoopSpec, request: Request, controls: Contr
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def start_steps(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
     """Prefill and the first denoising step (host-driven decoding, one step per call)."""
-    return _start(Decoder(module, params, spec, request, controls, ids), track_steps=True)
+    d = Decoder(module, params, spec, request, controls, ids)
+    return _denoise_step(d, _start(d, track_steps=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("commit",), donate_argnames=("state",))

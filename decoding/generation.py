@@ -18,9 +18,11 @@ does not recompile; the schedule, `do_sample`, block size and schedule knobs do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from clover_jax import memory
+from clover_jax import compilation_cache, memory
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
                                  start_blocks, start_steps)
@@ -56,6 +58,11 @@ class GenerateOutput:
     wall_time: float
     trajectory: list[dict[str, list]] | None = None
     history: History | None = None  # with return_history=True: every denoising step, NumPy arrays [b, S, ...]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_key() -> jax.Array:
+    return jax.random.key(0)
 
 
 def bucket(count: int, step: int) -> int:
@@ -89,6 +96,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     Without any of them the whole decode is one compiled program. Every check runs before
     anything is compiled; an exception raised by a listener reaches the caller as it is.
     """
+    compilation_cache.enable()
     config = _resolve_config(model, generation_config, overrides)
     prompts = _check_prompts(model, prompts, config, mode)
     listening = on_block is not None or streamer is not None or progress or on_step is not None
@@ -99,8 +107,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
         raise ValueError(f"streamer must have put(ids) and end() methods, got {type(streamer).__name__}")
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
-    base_key = key if key is not None else jax.random.key(0)
-    keys = jnp.stack([jax.random.fold_in(base_key, i) for i in range(len(prompts))])
+    keys = key if key is not None else _default_key()  # prompt i's key, fold_in(key, i), is made in the loop
     controls, ids = _controls(config), _token_ids(model, config)
     thinking = np.array([_prompt_thinking(p, config) for p in prompts])
     started = time.perf_counter()
@@ -120,16 +127,35 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 # ---------------------------------------------------------------------- validation
 def _resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    config = _model_defaults(model) if generation_config is None else _completed(model, generation_config)
+    if overrides:
+        config = config.replace(**overrides)
+    if config.max_new_tokens is None:
+        raise ValueError("max_new_tokens is not set: pass max_new_tokens=... or set it in generation_config.json")
+    return config
+
+
+_DEFAULTS: "weakref.WeakKeyDictionary[Any, tuple[Any, GenerationConfig]]" = weakref.WeakKeyDictionary()
+
+
+def _model_defaults(model) -> GenerationConfig:
+    """The checkpoint's generation config, read once per model (and again if `model.path` changes)."""
     path = getattr(model, "path", None)
-    if generation_config is None:
-        generation_config = GenerationConfig.from_pretrained(path) if path else GenerationConfig.for_model_type(
+    cached = _DEFAULTS.get(model)
+    if cached is None or cached[0] != path:
+        base = GenerationConfig.from_pretrained(path) if path else GenerationConfig.for_model_type(
             model.config.model_type, eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
-    config = generation_config.replace(**overrides)
+        cached = (path, _completed(model, base))
+        _DEFAULTS[model] = cached
+    return cached[1]
+
+
+def _completed(model, config: GenerationConfig) -> GenerationConfig:
+    """Fill what a generation config leaves out from the tokenizer (think ids) and config.json (mask, EOS)."""
+    path = getattr(model, "path", None)
     if path and (config.think_start_token_id is None or config.think_end_token_id is None):
         found = think_tokens_from_tokenizer(path)
         config = config.replace(**{key: value for key, value in found.items() if getattr(config, key) is None})
-    if config.max_new_tokens is None:
-        raise ValueError("max_new_tokens is not set: pass max_new_tokens=... or set it in generation_config.json")
     if config.mask_token_id is None and model.config.mask_token_id is not None:
         config = config.replace(mask_token_id=model.config.mask_token_id)
     if not config.eos_token_id and model.config.eos_token_id:
@@ -181,17 +207,18 @@ def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[
 
 
 def _controls(config: GenerationConfig) -> Controls:
-    f = jnp.float32
+    # NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each.
+    f = np.float32
     return Controls(f(config.repetition_penalty), f(config.frequency_penalty), f(config.presence_penalty),
                     f(config.dllm_length_penalty), f(config.dllm_length_penalty_start),
                     f(config.dllm_length_penalty_window), f(config.dllm_think_end_bias),
                     f(config.dllm_think_end_start), f(config.dllm_think_end_window), f(config.temperature),
-                    jnp.int32(config.top_k), f(config.top_p), f(config.threshold))
+                    np.int32(config.top_k), f(config.top_p), f(config.threshold))
 
 
 def _token_ids(model, config: GenerationConfig) -> TokenIds:
-    as_id = lambda value: jnp.int32(-1 if value is None else value)
-    eos = jnp.asarray(list(config.eos_token_id) or [-1], jnp.int32)
+    as_id = lambda value: np.int32(-1 if value is None else value)
+    eos = np.asarray(list(config.eos_token_id) or [-1], np.int32)
     return TokenIds(eos, as_id(config.mask_token_id), as_id(config.think_start_token_id),
                     as_id(config.think_end_token_id))
 
@@ -325,7 +352,7 @@ def _coreset(model, config: GenerationConfig) -> bool:
 
 
 # ---------------------------------------------------------------------- autoregressive
-def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking) -> GenerateOutput:
+def _generate_autoregressive(model, prompts, config, key, controls, ids, thinking) -> GenerateOutput:
     lengths = np.array([len(p) for p in prompts])
     prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
     spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), config.do_sample,
@@ -335,8 +362,8 @@ def _generate_autoregressive(model, prompts, config, keys, controls, ids, thinki
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt
     tokens, generated, nfe = jax.device_get(run_autoregressive(
-        model.module, model.run_params, spec, jnp.asarray(prompt_ids), jnp.asarray(prompt_length - lengths, jnp.int32),
-        jnp.full(len(prompts), config.max_new_tokens, jnp.int32), jnp.asarray(thinking), keys, controls, ids))
+        model.module, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
+        np.full(len(prompts), config.max_new_tokens, np.int32), thinking, key, controls, ids))
     output = GenerateOutput([], [], [], [], [], 0.0, None)
     for i in range(len(prompts)):
         response = tokens[i, :int(generated[i])].tolist()

@@ -18,6 +18,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (the suite slowed down many times over, with half the CPU in the kernel); one torch thread suffices
 # for the tiny reference models.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One persistent compilation cache for the session (its subprocesses included): tests never read
+# or fill the user's cache, and CLI and notebook subprocesses reuse each other's programs.
+_SESSION_CACHE = None
+if "CLOVER_JAX_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _SESSION_CACHE = os.environ["CLOVER_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="clover-jax-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 from tests.checkpoints import (  # noqa: E402
     QWEN36_LIKE, TIED_ONE_TO_ONE, add_clover_tensors, rewrite_fused_multimodal, write_hf_checkpoint)

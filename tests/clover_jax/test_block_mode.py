@@ -98,8 +98,10 @@ def test_prefill_then_commit_equals_one_longer_prefill(clover):
     _, in_turn = clover.extend(in_turn, block, logits="none")
     _, at_once = clover.extend(clover.init_state(2, 16), np.concatenate([prefix, block], axis=1), logits="none")
     assert int(in_turn.length) == int(at_once.length) == 13
+    # Float32 rounding differs between the two ways of cutting the rows (GDN chunks of 5 + 8 vs 13
+    # rows, matmuls of other shapes); through eight random layers it reaches 2e-5 here.
     for left, right in zip(jax.tree.leaves(in_turn), jax.tree.leaves(at_once)):
-        np.testing.assert_allclose(left, right, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(left, right, atol=5e-5, rtol=1e-5)
 
 
 def test_fused_commit_and_denoise_equals_doing_both_in_turn(clover):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,12 +39,24 @@ def case(num_tokens, num_experts, top_k, seed, only_experts=None):
     (130, 8, 1, [5]),           # a single group holds every token
     (97, 12, 3, [0, 4, 11]),    # several empty groups between full ones
 ])
-def test_grouped_experts_equal_dense_oracle(num_tokens, num_experts, top_k, only_experts):
+@pytest.mark.parametrize("strategy", ["loop", "dense"])
+def test_grouped_experts_equal_dense_oracle(num_tokens, num_experts, top_k, only_experts, strategy):
     inputs = case(num_tokens, num_experts, top_k, seed=num_tokens, only_experts=only_experts)
-    np.testing.assert_allclose(jax.jit(routed_expert_mlp)(*inputs), dense_oracle(*inputs), atol=1e-5, rtol=1e-5)
+    dispatch = jax.jit(functools.partial(routed_expert_mlp, strategy=strategy))
+    np.testing.assert_allclose(dispatch(*inputs), dense_oracle(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_pairs_routed_elsewhere_are_dropped_by_both_strategies():
+    tokens, expert_ids, weights, gate_up, down = case(9, 8, 2, seed=3)
+    held_here = expert_ids < 5  # as an expert-parallel shard holding experts 0..4 sees ids >= 5 as absent
+    local = (tokens, jnp.where(held_here, expert_ids, 8), weights, gate_up[:5], down[:5])
+    expected = dense_oracle(tokens, expert_ids, jnp.where(held_here, weights, 0.0), gate_up, down)
+    for strategy in ("loop", "dense"):
+        np.testing.assert_allclose(routed_expert_mlp(*local, strategy=strategy), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tile_height_follows_rows_per_expert():
     assert tile_rows_for(8, 256) == 1          # one decoding token, top-8
-    assert tile_rows_for(2048 * 8, 256) == 16  # a 2048-token prefill chunk
+    assert tile_rows_for(32 * 8, 32) == 8      # a 32-row block, top-8 of 32
+    assert tile_rows_for(2048 * 8, 256) == 64  # a 2048-token prefill chunk
     assert tile_rows_for(10**7, 8) == 128
