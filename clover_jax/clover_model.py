@@ -20,6 +20,7 @@ import numpy as np
 from clover_jax import compilation_cache
 from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
 from clover_jax.config import CloverConfig
+from clover_jax.executable_cache import persistent_jit
 from clover_jax.hub import resolve_checkpoint
 from clover_jax.kernels import choose_kernels
 from clover_jax.model import CloverTransformer, Params, PassOutput, stack_groups, unstack_groups
@@ -37,14 +38,14 @@ class BlockLogits(NamedTuple):
     distinct_experts: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("module", "num_causal", "logits_from", "coreset"))
+@persistent_jit(static_argnames=("module", "num_causal", "logits_from", "coreset"))
 def run_pass(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
              num_causal: int, logits_from: int, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
     """The one compiled entry point: `CloverTransformer.__call__` on explicit parameters."""
     return module.apply({"params": params}, input_ids, state, num_causal, logits_from, coreset, coreset_top_p)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "chunk_size", "logits"))
+@persistent_jit(static_argnames=("module", "chunk_size", "logits"))
 def run_causal(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
                chunk_size: int, logits: str) -> tuple[jax.Array | None, ModelState]:
     """Prefill / commit / forward: `clover_jax.chunked.causal_pass`, compiled."""
@@ -122,7 +123,8 @@ class CloverModel:
         check_finite: refuse weights holding NaN or Inf (`weights.CheckpointError` naming the
             tensor), checked on each tensor as it is read; False skips the check.
         """
-        from weights import loader, orbax_checkpoint  # weights depends on clover_jax, not the reverse
+        from weights import loader  # weights depends on clover_jax, not the reverse
+        from weights.orbax_layout import is_orbax_checkpoint
 
         compilation_cache.enable()  # before loading compiles its first program
 
@@ -133,7 +135,9 @@ class CloverModel:
         sharding_for = None if plan is None else plan.param_sharding
         quantize = QuantSpec.parse(quantize)
         path = resolve_checkpoint(path, revision, weights=True)
-        if orbax_checkpoint.is_orbax_checkpoint(path):
+        if is_orbax_checkpoint(path):
+            from weights import orbax_checkpoint  # Orbax is imported only when an Orbax directory is loaded
+
             if quantize is not None:
                 raise ValueError("quantize applies while reading safetensors; load the Orbax directory unquantised "
                                  "or quantise the Hugging Face checkpoint")

@@ -4,8 +4,9 @@ Compiling a decoder takes seconds to minutes; with the cache a new process (a se
 a restarted notebook) loads the compiled programs from disk instead. `enable()` is called when a
 model is created and before `generate` compiles anything, and does nothing after its first call.
 
-* `CLOVER_JAX_CACHE_DIR` sets the directory (default: `$XDG_CACHE_HOME/clover-jax/xla`, i.e.
-  `~/.cache/clover-jax/xla`); set it to an empty string to turn the cache off.
+* `CLOVER_JAX_CACHE_DIR` sets the directory (default: `$XDG_CACHE_HOME/clover-jax`, i.e.
+  `~/.cache/clover-jax`; XLA's cache in `xla/`, `clover_jax.executable_cache`'s programs in
+  `executables/`); set it to an empty string to turn both off.
 * A cache the user configured for JAX (`jax_compilation_cache_dir` / `JAX_COMPILATION_CACHE_DIR`)
   is left as it is, with its own thresholds.
 * Otherwise every program is cached, however quickly it compiled: JAX's default threshold (one
@@ -28,13 +29,28 @@ _state: dict[str, str | None] = {}
 
 def default_directory() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "clover-jax", "xla")
+    return os.path.join(base, "clover-jax")
+
+
+def executable_directory() -> str | None:
+    """Where `clover_jax.executable_cache` keeps compiled programs (None: off)."""
+    if "executables" not in _state:
+        directory = os.environ.get(ENV, default_directory()) or None
+        if directory is not None:
+            directory = os.path.join(directory, "executables")
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as error:
+                logger.warning("compiled programs are not kept: cannot create %s (%s)", directory, error)
+                directory = None
+        _state["executables"] = directory
+    return _state["executables"]
 
 
 def enable() -> str | None:
     """Turn the persistent cache on (once per process); returns its directory, or None when off."""
-    if "directory" in _state:
-        return _state["directory"]
+    if "xla" in _state:
+        return _state["xla"]
     import jax
 
     configured = jax.config.jax_compilation_cache_dir
@@ -44,6 +60,7 @@ def enable() -> str | None:
     else:
         directory = os.environ.get(ENV, default_directory()) or None
         if directory is not None:
+            directory = os.path.join(directory, "xla")
             try:
                 os.makedirs(directory, exist_ok=True)
             except OSError as error:
@@ -59,5 +76,5 @@ def enable() -> str | None:
 
             compilation_cache.reset_cache()
             logger.debug("persistent compilation cache at %s", directory)
-    _state["directory"] = directory
+    _state["xla"] = directory
     return directory

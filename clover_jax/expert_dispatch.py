@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.quantization import dequantize, take
-from pallas_kernels import grouped_matmul_for_platform
 
 
 # Experts of at most this many parameters are all evaluated for every token: below it, a loop
@@ -132,8 +131,9 @@ def _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_pro
     routing = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=tokens.dtype)
                       * expert_weights[..., None].astype(tokens.dtype), axis=1)            # [tokens, experts]
     gate, up = jnp.split(jnp.einsum("th,eih->tei", tokens, dequantize(gate_up_proj, tokens.dtype)), 2, axis=-1)
-    activated = jax.nn.silu(gate) * up * routing[..., None]
-    return jnp.einsum("tei,ehi->th", activated, dequantize(down_proj, tokens.dtype))
+    outputs = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, dequantize(down_proj, tokens.dtype))
+    # Weighted after the down projection, as the reference implementation does (same rounding order).
+    return jnp.einsum("teh,te->th", outputs, routing)
 
 
 def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj):
@@ -166,6 +166,8 @@ def grouped_expert_mlp(
     ("cpu": the Pallas kernel in interpret mode, for parity tests; "gpu"; "tpu")."""
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
+    from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
+
     # The Pallas grouped matmul has no quantised variant yet: quantised experts are dequantised whole.
     gate_up_proj, down_proj = dequantize(gate_up_proj, tokens.dtype), dequantize(down_proj, tokens.dtype)
     flat_experts = expert_ids.reshape(-1)

@@ -33,7 +33,6 @@ from clover_jax.gated_delta import chunked_gated_delta_rule, recurrent_gated_del
 from clover_jax.kernels import KernelChoice
 from clover_jax.layers import GatedRMSNorm, Linear, l2_normalize
 from clover_jax.state import GDNState, Rows
-from pallas_kernels import gdn_chunk
 
 
 def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -133,6 +132,8 @@ class GatedDeltaNet(nn.Module):
             if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
                 rule = recurrent_gated_delta_rule
             elif self.kernels.gdn == "pallas":
+                from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
+
                 chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
                 rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
             else:

@@ -7,13 +7,13 @@ forward after a sequence's last token is skipped, so NFE = prefill + one call pe
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from clover_jax.chunked import causal_pass
+from clover_jax.executable_cache import persistent_jit
 from clover_jax.model import CloverTransformer
 from clover_jax.sharding import constrain_state
 from clover_jax.state import empty_state
@@ -39,7 +39,7 @@ class AutoregressiveState(NamedTuple):
     index: jax.Array      # int32 []
 
 
-@functools.partial(jax.jit, static_argnames=("module", "spec"))
+@persistent_jit(static_argnames=("module", "spec"))
 def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
                        start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array,
                        controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -24,13 +24,13 @@ compilation cache.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from clover_jax.chunked import causal_pass
+from clover_jax.executable_cache import persistent_jit
 from clover_jax.model import CloverTransformer
 from clover_jax.sharding import constrain_state
 from clover_jax.state import ModelState, empty_state
@@ -285,7 +285,7 @@ def _all_finished(state: LoopState) -> jax.Array:
 _STATIC = ("module", "spec")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@persistent_jit(static_argnames=_STATIC)
 def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
                       controls: Controls, ids: TokenIds) -> Results:
     """Prefill, then denoise and commit blocks until every sequence is finished: one program."""
@@ -295,14 +295,14 @@ def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, re
     return results(state)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@persistent_jit(static_argnames=_STATIC)
 def start_blocks(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
     """Prefill and decide the first block (host-driven decoding, one block per call)."""
     d = Decoder(module, params, spec, request, controls, ids)
     return _finish_block(d, _start(d, track_steps=False))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@persistent_jit(static_argnames=_STATIC, donate_argnames=("state",))
 def next_block(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
                state: LoopState) -> LoopState:
     """Commit the decided block and decide the next one."""
@@ -310,14 +310,14 @@ def next_block(module, params, spec: LoopSpec, request: Request, controls: Contr
     return _finish_block(d, _commit_step(d, state))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@persistent_jit(static_argnames=_STATIC)
 def start_steps(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
     """Prefill and the first denoising step (host-driven decoding, one step per call)."""
     d = Decoder(module, params, spec, request, controls, ids)
     return _denoise_step(d, _start(d, track_steps=True))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("commit",), donate_argnames=("state",))
+@persistent_jit(static_argnames=_STATIC + ("commit",), donate_argnames=("state",))
 def next_step(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
               state: LoopState, commit: bool) -> LoopState:
     """One more forward: the next denoising step, or (`commit`) the commit fused with the next block's first."""

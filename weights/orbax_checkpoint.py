@@ -46,12 +46,11 @@ from clover_jax.quantization import QuantizedWeight, QuantSpec, quantize
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.finite_check import require_finite_array
 from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for
+from weights.orbax_layout import MANIFEST, PARAMS_DIR, is_orbax_checkpoint
 from weights.staging import contains, make_staging, remove_stale_staging
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "clover_orbax.json"
-PARAMS_DIR = "params"
 FORMAT = "clover-jax-orbax"
 FORMAT_VERSION = 1
 # Weight files in any format are not copied; every other top-level file is (config, tokenizer, ...).
@@ -233,13 +232,6 @@ def _move_into_place(staging: str, target: str) -> None:
 
 
 # ---------------------------------------------------------------- loading
-def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
-    """True when `path` is a directory made (or being made) by `convert_to_orbax`: it holds the
-    manifest or the Orbax parameter directory. Whether it is complete is checked on loading."""
-    path = os.fspath(path)
-    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, PARAMS_DIR))
-
-
 def read_manifest(directory: str | os.PathLike) -> OrbaxManifest:
     """The manifest of a finished conversion; CheckpointError for an unfinished or foreign directory."""
     directory = os.fspath(directory)
