@@ -73,6 +73,20 @@ def ratio(numerator: float, denominator: float) -> float | None:
     return None if not denominator else numerator / denominator
 
 
+def check(name: str, value: float | None, target: float, at_least: bool, bound: float | None = None,
+          note: str = "") -> dict:
+    """A target figure of `make bench`: `value` must be >= (`at_least`) or <= `target`.
+
+    bound: the best the figure can be on this machine (from its measured bandwidth and matmul
+    rate), when the benchmark can work it out; a target beyond it cannot be met by any
+    implementation here, and the report says so (the check still fails: the target is missed).
+    """
+    passed = value is not None and (value >= target if at_least else value <= target)
+    reachable = None if bound is None else (bound >= target if at_least else bound <= target)
+    return {"name": name, "value": value, "target": target, "direction": ">=" if at_least else "<=",
+            "passed": passed, "hardware_bound": bound, "target_reachable": reachable, "note": note}
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on: CPU model, cores, RAM, load, library versions, date."""
     import jax

@@ -1,13 +1,19 @@
-"""Compile time of `decoding.generate`: cold, from the persistent compilation cache, and warm;
+"""Compile time of `decoding.generate`: cold, from the on-disk caches, and warm; the CLI's startup;
 and which changes to a call recompile.
 
 On a tiny random Clover checkpoint (written once by the parent), each measurement of "first
 call" runs in a fresh subprocess, so nothing is shared through memory:
-  * `cold`: no persistent cache — the first `generate` call traces, lowers and compiles;
-  * `persistent_cache`: `jax_compilation_cache_dir` set (min compile time 0, min entry size 0),
-    filled beforehand by an untimed child running the same call — the first call traces and
-    lowers, then reads the executables from disk;
+  * `cold`: caches off (`CLOVER_JAX_CACHE_DIR=""`) — the first `generate` call traces, lowers and
+    compiles;
+  * `persistent_cache`: the default caches (`clover_jax.compilation_cache`: JAX's persistent
+    compilation cache and the compiled decoders of `clover_jax.executable_cache`) in a directory
+    filled beforehand by an untimed child running the same call;
   * `warm`: the second identical call in the same process (jit's in-memory cache).
+
+CLI startup: `clover-jax generate --show-steps` on the bundled model in a new process, with an
+empty cache directory and then again with the directory the first run filled (alternating over
+rounds, a new directory each round). Target (`checks`): the second run <= 25% of the first's
+wall time.
 Children alternate (cold, cache, cold, cache, ...); medians. Each child also reports how many
 backend compilations its first call asked for and how many the persistent cache answered
 (`jax.monitoring` events `/jax/core/compile/backend_compile_duration` and
@@ -38,7 +44,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (TINY_FIELDS, REPO_ROOT, emit, machine, ratio, setup_environment,  # noqa: E402
+from benchmarks.common import (TINY_FIELDS, REPO_ROOT, check, emit, machine, ratio, setup_environment,  # noqa: E402
                                write_random_checkpoint)
 
 setup_environment()
@@ -81,14 +87,8 @@ def prompts_for(length: int, batch: int, seed: int = 0):
     return [rng.integers(2, FIELDS["vocab_size"] - 1, length).tolist() for _ in range(batch)]
 
 
-def child(checkpoint: str, kind: str, cache_dir: str | None) -> None:
-    """One fresh process: (optionally) the persistent cache, load, first call, second call."""
-    import jax
-
-    if cache_dir:
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def child(checkpoint: str, kind: str) -> None:
+    """One fresh process (its caches set by CLOVER_JAX_CACHE_DIR): load, first call, second call."""
     counter = CompileCounter()
     from clover_jax import CloverModel
     from decoding import generate
@@ -135,6 +135,7 @@ def child_triggers(checkpoint: str) -> None:
 
     call()
     call()  # every eager helper compiled too
+    streamed = lambda **overrides: call(on_block=lambda *_: None, **overrides)
     variants = [
         ("same call again", {}),
         ("threshold 0.95 -> 0.5 (traced)", {"threshold": 0.5}),
@@ -147,12 +148,14 @@ def child_triggers(checkpoint: str) -> None:
         ("batch 1 -> 2", {"batch": 2}),
         ("do_sample False -> True", {"do_sample": True}),
         ("do_sample True, temperature 1.0 -> 0.7 (traced)", {"do_sample": True, "temperature": 0.7}),
+        ("streamed (on_block): host-driven block programs", {"streamed": True}),
+        ("not streamed again after streaming", {}),
     ]
     rows = []
     for name, overrides in variants:
         before, cache_before = counter.snapshot(), run_block_decoder._cache_size()
         started = time.perf_counter()
-        call(**overrides)
+        (streamed if overrides.pop("streamed", False) else call)(**overrides)
         seconds = time.perf_counter() - started
         after = counter.snapshot()
         rows.append({"change": name, "backend_compiles": after[0] - before[0],
@@ -161,12 +164,22 @@ def child_triggers(checkpoint: str) -> None:
     print(json.dumps({"triggers": rows}))
 
 
-def run_child(args: list[str]) -> dict:
-    env = dict(os.environ)
+def run_child(args: list[str], cache_dir: str | None) -> dict:
+    env = dict(os.environ, CLOVER_JAX_CACHE_DIR=cache_dir or "")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     completed = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, stdout=subprocess.PIPE,
                                check=True, text=True)
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def cli_seconds(cache_dir: str) -> float:
+    """Wall time of one `clover-jax generate --show-steps` on the bundled model in a new process."""
+    env = dict(os.environ, CLOVER_JAX_CACHE_DIR=cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "clover_jax", "generate", "--show-steps", "sort 3 1 4 1 5 9 2 6"], env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, cwd=REPO_ROOT)
+    return time.perf_counter() - started
 
 
 def main(argv=None) -> None:
@@ -175,13 +188,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--child", choices=["cold", "persistent_cache", "triggers"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
-    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child == "triggers":
         child_triggers(args.checkpoint)
         return
     if args.child:
-        child(args.checkpoint, args.child, args.cache_dir)
+        child(args.checkpoint, args.child)
         return
     if args.quick:
         args.rounds = 1
@@ -189,16 +201,23 @@ def main(argv=None) -> None:
     workdir = tempfile.mkdtemp(prefix="clover-bench-compile-")
     try:
         checkpoint = write_random_checkpoint(workdir, FIELDS, seed=0)["clover"]
-        cache_dir = os.path.join(workdir, "jax-cache")
-        fill = run_child(["--child", "persistent_cache", "--checkpoint", checkpoint, "--cache-dir", cache_dir])
+        cache_dir = os.path.join(workdir, "cache")
+        fill = run_child(["--child", "persistent_cache", "--checkpoint", checkpoint], cache_dir)
         cache_files = sum(len(files) for _, _, files in os.walk(cache_dir))
         samples = {"cold": [], "persistent_cache": []}
         for round_index in range(args.rounds):
             order = ["cold", "persistent_cache"] if round_index % 2 == 0 else ["persistent_cache", "cold"]
             for kind in order:
-                extra = ["--cache-dir", cache_dir] if kind == "persistent_cache" else []
-                samples[kind].append(run_child(["--child", kind, "--checkpoint", checkpoint, *extra]))
+                samples[kind].append(run_child(["--child", kind, "--checkpoint", checkpoint],
+                                               cache_dir if kind == "persistent_cache" else None))
                 print(f"compile: {kind} first call {samples[kind][-1]['first_call_s']:.2f}s", file=sys.stderr)
+        cli = {"first_s": [], "second_s": []}
+        for round_index in range(args.rounds):
+            fresh = os.path.join(workdir, f"cli-cache-{round_index}")
+            cli["first_s"].append(cli_seconds(fresh))
+            cli["second_s"].append(cli_seconds(fresh))
+            print(f"compile: CLI first {cli['first_s'][-1]:.1f}s, second {cli['second_s'][-1]:.1f}s", file=sys.stderr)
+        cli["second_over_first"] = ratio(statistics.median(cli["second_s"]), statistics.median(cli["first_s"]))
         summary = {}
         for kind, runs in samples.items():
             summary[kind] = {
@@ -216,9 +235,16 @@ def main(argv=None) -> None:
             "persistent_over_cold_first_call": ratio(summary["persistent_cache"]["first_call_s"],
                                                      summary["cold"]["first_call_s"]),
             "warm_over_cold_first_call": ratio(summary["cold"]["warm_call_s"], summary["cold"]["first_call_s"]),
+            "cli_show_steps": cli,
         }
+        checks = [check("second clover-jax generate --show-steps / first (wall time)", cli["second_over_first"],
+                        0.25, False)]
         if not args.quick:
-            result.update(run_child(["--child", "triggers", "--checkpoint", checkpoint]))
+            result.update(run_child(["--child", "triggers", "--checkpoint", checkpoint], None))
+            again = next(row for row in result["triggers"] if row["change"] == "not streamed again after streaming")
+            checks.append(check("decoder loop compilations when streaming is toggled off again",
+                                again["decoder_loop_compiled"], 0, False))
+        result["checks"] = checks
         result["machine"] = machine()
         emit(result)
     finally:

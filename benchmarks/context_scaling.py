@@ -11,6 +11,12 @@ What to expect: GDN layers read a fixed-size recurrent state whatever the prefix
 layers read the whole K/V prefix, so the step time grows with L at a rate set by the share of
 attention in the step; `step_ratio_longest_over_shortest` is time(64K) / time(1K).
 
+Per length the JSON also gives the K/V bytes the step reads and the step's roofline bound
+(`benchmarks/cost_model.py`: the attention over a long prefix is 4 × block × heads × head_dim
+FLOPs per prefix token, so a step after 64K tokens can be bound by compute, not by the K/V read).
+Target (`checks`): the step after the longest prefix <= 2x the step after the shortest; the
+hardware bound of that ratio is the ratio of the two roofline times.
+
 Usage: `python benchmarks/context_scaling.py [--quick] [--lengths 1024 4096 16384 65536]`.
 """
 
@@ -23,8 +29,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (TINY_FIELDS, alternate, emit, machine, ratio, setup_environment,  # noqa: E402
-                               timed, write_random_checkpoint)
+from benchmarks.common import (TINY_FIELDS, alternate, check, emit, machine, ratio,  # noqa: E402
+                               setup_environment, timed, write_random_checkpoint)
 
 setup_environment()
 
@@ -46,8 +52,10 @@ def main(argv=None) -> None:
 
     import jax
 
+    from benchmarks import cost_model, machine_rates
     from clover_jax import CloverModel
 
+    rates = machine_rates.measure()
     workdir = tempfile.mkdtemp(prefix="clover-bench-context-")
     try:
         fields = dict(TINY, max_position_embeddings=max(args.lengths) + args.block)
@@ -64,22 +72,38 @@ def main(argv=None) -> None:
             prefill[length] = {"seconds": seconds, "tokens_per_s": length / seconds}
             print(f"context_scaling: prefill {length} tokens in {seconds:.2f}s", file=sys.stderr)
 
+        distinct = {}
+
         def step(length):
-            return lambda: jax.block_until_ready(model.denoise(states[length], block).logits)
+            def run():
+                out = model.denoise(states[length], block)
+                jax.block_until_ready(out.logits)
+                distinct[length] = np.asarray(out.distinct_experts)[:, 0]
+            return run
 
         timings = alternate({str(length): step(length) for length in args.lengths}, args.rounds)
         shortest, longest = str(min(args.lengths)), str(max(args.lengths))
-        curve = [{"prefix": length, "denoise_step_ms": 1e3 * timings[str(length)]["median"],
-                  "samples_ms": [1e3 * s for s in timings[str(length)]["samples"]],
-                  "over_shortest": ratio(timings[str(length)]["median"], timings[shortest]["median"]),
-                  "prefill": prefill[length]} for length in args.lengths]
+        curve = []
+        for length in args.lengths:
+            cost = cost_model.pass_cost(model.config, 0, args.block, length, distinct[length], args.block)
+            seconds = timings[str(length)]["median"]
+            curve.append({"prefix": length, "denoise_step_ms": 1e3 * seconds,
+                          "samples_ms": [1e3 * s for s in timings[str(length)]["samples"]],
+                          "over_shortest": ratio(seconds, timings[shortest]["median"]), "prefill": prefill[length],
+                          "kv_bytes_read": cost["kv_cache_bytes"], "kv_read_gb_per_s": cost["kv_cache_bytes"] / seconds / 1e9,
+                          "cost": cost, "bound": cost_model.bound(cost, rates)})
+        bound_ratio = ratio(curve[-1]["bound"]["seconds"], curve[0]["bound"]["seconds"])
+        step_ratio = ratio(timings[longest]["median"], timings[shortest]["median"])
+        checks = [check(f"denoising step after {longest} / after {shortest} prefix tokens", step_ratio, 2.0, False,
+                        bound_ratio)]
         emit({"benchmark": "context_scaling", "quick": args.quick,
               "config": {k: fields[k] for k in ("hidden_size", "num_hidden_layers", "num_experts", "head_dim",
                                                 "num_key_value_heads")},
               "layers": "3 GDN + 1 full attention", "block": args.block, "rounds": args.rounds,
               "chunk_size": model.chunk_size, "curve": curve,
-              "step_ratio_longest_over_shortest": ratio(timings[longest]["median"], timings[shortest]["median"]),
-              "lengths": [int(shortest), int(longest)], "machine": machine()})
+              "machine_rates": rates, "step_ratio_longest_over_shortest": step_ratio,
+              "bound_ratio_longest_over_shortest": bound_ratio, "lengths": [int(shortest), int(longest)],
+              "checks": checks, "machine": machine()})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

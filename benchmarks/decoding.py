@@ -38,8 +38,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (REPO_ROOT, alternate, backbone_view_for_transformers, emit, machine, ratio,  # noqa: E402
-                               setup_environment, torch_threads, write_random_checkpoint)
+from benchmarks.common import (REPO_ROOT, alternate, backbone_view_for_transformers, check, emit, machine,  # noqa: E402
+                               ratio, setup_environment, torch_threads, write_random_checkpoint)
 
 setup_environment()
 
@@ -54,6 +54,38 @@ RANDOM_FIELDS = dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_at
                      moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
                      num_experts_per_tok=2, eos_token_id=1, max_position_embeddings=4096,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def host_overhead(generate, model, prompts, config, mode: str, extra: dict, new: int, rounds: int = 3) -> dict:
+    """Seconds per one-prompt `generate` call spent outside its compiled decoding program (argument
+    preparation, transfers, result conversion): the call's wall time minus the compiled call's."""
+    import time
+
+    import jax
+
+    from decoding import generation
+
+    name = "run_block_decoder" if mode == "diffusion" else "run_autoregressive"
+    compiled, inside = getattr(generation, name), []
+
+    def timed_call(*args, **kwargs):
+        started = time.perf_counter()
+        result = jax.block_until_ready(compiled(*args, **kwargs))
+        inside.append(time.perf_counter() - started)
+        return result
+
+    setattr(generation, name, timed_call)
+    try:
+        outside = []
+        for _ in range(rounds):
+            for prompt in prompts:
+                started = time.perf_counter()
+                generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
+                outside.append(time.perf_counter() - started - inside[-1])
+    finally:
+        setattr(generation, name, compiled)
+    return {"median_ms": 1e3 * float(np.median(outside)), "min_ms": 1e3 * float(np.min(outside)),
+            "compiled_call_median_ms": 1e3 * float(np.median(inside))}
 
 
 def bundled_ready(path: str) -> bool:
@@ -169,6 +201,9 @@ def main(argv=None) -> None:
                 "tokens_per_forward": tokens / max(sum(last["nfe"]), 1),
                 "accuracy": score(last["sequences"]) if score else None,
             }
+        overhead = {mode: host_overhead(generate, model, prompts, config, mode,
+                                        NEUTRAL_CONTROLS if mode == "autoregressive" else {}, new)
+                    for mode in ("diffusion", "autoregressive")}
         ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]
         agreement = float(np.mean([a == b for a, b in zip(ar["sequences"], tf["sequences"])]))
         speed = {name: value["tokens_per_s"] for name, value in results.items()}
@@ -187,6 +222,15 @@ def main(argv=None) -> None:
                                                                               speed["transformers"]),
             },
             "clover_autoregressive_equals_transformers_fraction": agreement,
+            "host_overhead_per_call": overhead,
+            "checks": [
+                check("bundled model: diffusion / clover autoregressive tokens/s",
+                      ratio(speed["clover_diffusion"], speed["clover_autoregressive"]), 2.5, True),
+                check("bundled model: diffusion accuracy", results["clover_diffusion"]["accuracy"], 0.95, True,
+                      note="the quality gate of the bundled model"),
+                check("host time per one-prompt generate call outside the compiled loop, ms (diffusion)",
+                      overhead["diffusion"]["median_ms"], 1.0, False),
+            ] if score else [],
             "notes": notes, "jax_devices": [str(d) for d in jax.devices()], "machine": machine(),
         })
     finally:

@@ -17,6 +17,10 @@ JSON says so. `distinct_experts_used` is how many experts the routed pairs touch
 grows with the expert count (random routing spreads 256 pairs over more experts), and each
 touched expert's weights must be read once, so some growth is inherent to the problem.
 
+Target (`checks`): at 32 rows, clover's time at the most experts <= 1.5x its time at the fewest.
+The hardware bound of that ratio is the ratio of the two roofline times (the distinct experts'
+bytes over the read bandwidth, or the FLOPs over the matmul rate, whichever is larger).
+
 Usage: `python benchmarks/moe_scaling.py [--quick] [--rounds 5]`.
 """
 
@@ -27,7 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import alternate, emit, machine, ratio, setup_environment, timed  # noqa: E402
+from benchmarks.common import alternate, check, emit, machine, ratio, setup_environment, timed  # noqa: E402
 
 setup_environment()
 
@@ -82,8 +86,12 @@ def measure(num_experts: int, rows: int, hidden: int, intermediate: int, rounds:
     run_ragged = lambda: jax.block_until_ready(ragged_layer(x, router, gate_up_t, down_t))
     clover_out = run_clover()  # compile
     expert_ids = np.asarray(jax.jit(route, static_argnums=2)(x, router, TOP_K)[0])
+    distinct = int(len(np.unique(expert_ids)))
+    expert_params = 3 * intermediate * hidden
     entry = {"experts": num_experts, "rows": rows, "top_k": TOP_K, "pairs": rows * TOP_K,
-             "distinct_experts_used": int(len(np.unique(expert_ids)))}
+             "distinct_experts_used": distinct,
+             "bytes": 4 * (distinct * expert_params + num_experts * hidden + 2 * rows * hidden),
+             "flops": 2 * rows * TOP_K * expert_params + 2 * rows * num_experts * hidden}
     if not run_ragged_dot:
         times = alternate({"clover_xla": run_clover}, rounds, warmup=False)
         times["ragged_dot"] = {"median": None, "samples": [], "last": None,
@@ -125,6 +133,9 @@ def main(argv=None) -> None:
     if args.quick:
         args.rounds, args.experts, args.rows, args.hidden, args.intermediate = 2, [8, 16], [32], 64, 32
 
+    from benchmarks import machine_rates
+
+    rates = machine_rates.measure()
     results = []
     for rows in args.rows:
         run_ragged_dot = True
@@ -135,7 +146,10 @@ def main(argv=None) -> None:
             run_ragged_dot = ragged is not None and ragged <= args.ragged_limit_s
             print(f"moe_scaling rows={rows} experts={experts}: clover {results[-1]['clover_xla_s']['median']:.4f}s "
                   f"ragged_dot {ragged}", file=sys.stderr)
-    scaling = {}
+    for entry in results:
+        entry["bound_s"] = max(entry["bytes"] / rates["read_bytes_per_s"], entry["flops"] / rates["matmul_flops_per_s"])
+        entry["clover_over_bound"] = entry["clover_xla_s"]["median"] / entry["bound_s"]
+    scaling, checks = {}, []
     for rows in args.rows:
         by_experts = {r["experts"]: r for r in results if r["rows"] == rows}
         low, high = min(by_experts), max(by_experts)
@@ -145,11 +159,18 @@ def main(argv=None) -> None:
                                            by_experts[low]["clover_xla_s"]["median"]),
             "ragged_dot_time_ratio": ratio(by_experts[high]["ragged_dot_s"]["median"] or 0.0,
                                            by_experts[low]["ragged_dot_s"]["median"]) or None,
+            "bound_time_ratio": ratio(by_experts[high]["bound_s"], by_experts[low]["bound_s"]),
         }
+        if rows == 32:
+            checks.append(check(f"MoE time at 32 rows, {high} / {low} experts", scaling["32"]["clover_xla_time_ratio"],
+                                1.5, False, scaling["32"]["bound_time_ratio"],
+                                f"{by_experts[high]['distinct_experts_used']} distinct experts to read against "
+                                f"{by_experts[low]['distinct_experts_used']}"))
     emit({"benchmark": "moe_scaling", "quick": args.quick,
           "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "top_k": TOP_K, "dtype": "float32"},
           "layer": "router + routed experts (shared expert excluded)", "rounds": args.rounds,
-          "results": results, "time_ratio_most_over_fewest_experts": scaling, "machine": machine()})
+          "machine_rates": rates, "results": results, "time_ratio_most_over_fewest_experts": scaling,
+          "checks": checks, "machine": machine()})
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@
 summary table of the headline figures and ratios, one table per benchmark, and each script's
 full JSON output.
 
-Scripts: decoding.py, forward_cost.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
-load_orbax.py (the last two unchanged, with their own defaults), roofline.py (arithmetic only).
-A script that fails is reported in the document with its exit status and the tail of its
-stderr; the others still run.
+Scripts: decoding.py, forward_cost.py, expert_scaling.py, context_scaling.py, compile.py,
+moe_scaling.py, load.py, load_orbax.py (the last two with their own defaults), roofline.py
+(arithmetic only). A script that fails is reported in the document with its exit status and the
+tail of its stderr; the others still run.
+
+Targets: each script lists its `checks` (a figure, its target, and, where the script can work it
+out, the best the figure can be on this machine from its measured bandwidth and matmul rate).
+The document opens with all of them; the run exits with status 1, naming every missed figure,
+when any target is missed (or a script failed).
 
 Usage: `python benchmarks/run_all.py [--quick] [--only decoding compile ...] [--out docs/benchmarks.md]`.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +31,8 @@ from benchmarks.common import REPO_ROOT, machine, setup_environment  # noqa: E40
 
 setup_environment()
 
-SCRIPTS = ["decoding", "forward_cost", "context_scaling", "compile", "moe_scaling", "load", "load_orbax", "roofline"]
+SCRIPTS = ["decoding", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling", "load",
+           "load_orbax", "roofline"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}
 
@@ -85,6 +92,12 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
     lines += table(["ratio", "value"], [[k, f(v)] for k, v in ratios.items()]
                    + [["clover autoregressive tokens == transformers tokens (fraction of prompts)",
                        f(j["clover_autoregressive_equals_transformers_fraction"])]])
+    overhead = j.get("host_overhead_per_call")
+    if overhead:
+        lines += [f"Host time per one-prompt `generate` call outside the compiled loop: diffusion "
+                  f"{f(overhead['diffusion']['median_ms'])} ms, autoregressive {f(overhead['autoregressive']['median_ms'])} "
+                  f"ms (the compiled calls take {f(overhead['diffusion']['compiled_call_median_ms'])} and "
+                  f"{f(overhead['autoregressive']['compiled_call_median_ms'])} ms).", ""]
     summary = [["decoding", "diffusion / clover AR tokens/s", f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
                ["decoding", "diffusion / transformers tokens/s", f(ratios["diffusion_over_transformers_tokens_per_s"])],
                ["decoding", "clover AR / transformers tokens/s",
@@ -96,42 +109,74 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
     return lines, summary
 
 
+def render_rates(rates: dict) -> str:
+    return (f"this machine: read {rates['read_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+            f"{rates['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32)")
+
+
 def render_forward_cost(j: dict):
-    g, s = j["generate"], j["step"]
+    g, s, a = j["generate"], j["step"], j["autoregressive_steady"]
     lines = [f"Random model: {j['config']}, {j['parameters'] / 1e6:.0f} M parameters, {j['dtype']}, torch threads "
-             f"{j['torch_threads']}. Generate: prompt {g['prompt_tokens']}, max_new_tokens {g['max_new_tokens']}, "
-             f"{g['rounds']} rounds; steps: prefix {s['prefix_tokens']}, block {s['block']}, {s['rounds']} rounds.", ""]
+             f"{j['torch_threads']}; {render_rates(j['machine_rates'])}. Generate: prompt {g['prompt_tokens']}, "
+             f"max_new_tokens {g['max_new_tokens']}, {g['rounds']} rounds; steps: prefix {s['prefix_tokens']}, "
+             f"block {s['block']}, {s['rounds']} rounds.", ""]
     lines += table(["autoregressive generate", "tokens/s", "response tokens", "NFE"],
                    [[m, f(g[m]["tokens_per_s"]), g[m]["response_tokens"], g[m]["nfe"]]
                     for m in ("clover_autoregressive", "transformers")])
-    lines += table(["one step", "median ms"], [["denoising step (block of masks)", f(s["denoise_step"]["median_ms"])],
-                                               ["autoregressive step (1 token)", f(s["autoregressive_step"]["median_ms"])]])
-    lines += [f"clover / transformers tokens/s: **{f(g['clover_over_transformers_tokens_per_s'])}** "
-              f"(same tokens: {f(g['same_tokens'])}); denoising step / autoregressive step: "
-              f"**{f(s['denoise_over_autoregressive_step'])}** (distinct experts per layer in the denoising step: "
-              f"{f(s['denoise_distinct_experts_per_layer'])}).", ""]
+    lines += [f"clover / transformers tokens/s: **{f(g['clover_over_transformers_tokens_per_s'])}** (same tokens: "
+              f"{f(g['same_tokens'])}). Steady state: {f(1e3 * a['seconds_per_token'])} ms per token against a "
+              f"bandwidth bound of {f(1e3 * a['bound']['seconds'])} ms ({f(a['bytes_per_token'] / 1e6)} MB per token): "
+              f"**{f(a['fraction_of_bound'])}** of the bound.", ""]
+    rows = []
+    for name in ("denoise_step", "commit_and_denoise_step", "autoregressive_step"):
+        step = s[name]
+        cost, limit = step["cost"], step["bound"]
+        rows.append([name, f(step["median_ms"]), f(cost["bytes"] / 1e6), f(cost["flops"] / 1e9),
+                     f(cost["distinct_experts_per_layer"]), f(1e3 * limit["seconds"]), limit["limited_by"],
+                     f(step["over_bound"])])
+    lines += table(["one step", "median ms", "MB read", "GFLOP", "distinct experts / layer", "bound ms", "bound by",
+                    "time / bound"], rows)
+    lines += [f"denoising step / autoregressive step: **{f(s['denoise_over_autoregressive_step'])}** (the ratio of "
+              f"their bounds: {f(s['bound_ratio_denoise_over_autoregressive'])}).", ""]
     traffic = s.get("xla_cost_analysis")
     if traffic:
-        lines += [f"XLA cost analysis of the compiled steps: the autoregressive step accesses "
-                  f"{f(traffic['autoregressive_step']['bytes_accessed'] / 1e9)} GB "
-                  f"({f(traffic['autoregressive_bytes_over_parameter_bytes'])}× the "
-                  f"{f(traffic['parameter_bytes'] / 1e9)} GB of parameters), the denoising step "
-                  f"{f(traffic['denoise_step']['bytes_accessed'] / 1e9)} GB "
-                  f"({f(traffic['denoise_bytes_over_parameter_bytes'])}×). A step that read only routed experts "
-                  "would stay well under 1× (top-8 of 32 experts).", ""]
+        lines += [f"XLA's cost analysis (static; counts a dynamic slice of an expert as a read of the whole stacked "
+                  f"array and a loop body once): autoregressive step {f(traffic['autoregressive_step']['bytes_accessed'] / 1e9)} "
+                  f"GB, denoising step {f(traffic['denoise_step']['bytes_accessed'] / 1e9)} GB accessed.", ""]
     summary = [["forward_cost", "clover AR / transformers tokens/s (medium random model)",
                 f(g["clover_over_transformers_tokens_per_s"])],
+               ["forward_cost", "clover AR steady tokens/s / bandwidth bound", f(a["fraction_of_bound"])],
+               ["forward_cost", "denoise step / its roofline bound", f(s["denoise_step"]["over_bound"])],
                ["forward_cost", "denoise step / AR step time (break-even tokens per forward)",
                 f(s["denoise_over_autoregressive_step"])]]
     return lines, summary
 
 
+def render_expert_scaling(j: dict):
+    r = j["results"]
+    lines = [f"Random models {j['config']} with {j['experts'][0]} and {j['experts'][1]} experts; "
+             f"{render_rates(j['machine_rates'])}; {j['rounds']} rounds.", ""]
+    lines += table(["experts", "AR tokens/s", "AR bound ms/token", "denoise step ms", "distinct experts / layer",
+                    "denoise bound ms"],
+                   [[e, f(v["autoregressive_tokens_per_s"]), f(1e3 * v["autoregressive_bound"]["seconds"]),
+                     f(v["denoise_step_ms"]), f(v["denoise_distinct_experts_per_layer"]),
+                     f(1e3 * v["denoise_bound"]["seconds"])] for e, v in r.items()])
+    low, high = j["experts"]
+    return lines, [["expert_scaling", f"AR tokens/s, {high} / {low} experts", f(j["autoregressive_speed_ratio"])],
+                   ["expert_scaling", f"denoise step speed (coreset), {high} / {low} experts",
+                    f(j["denoise_speed_ratio"])]]
+
+
 def render_context(j: dict):
     lines = [f"Tiny random Clover {j['config']} ({j['layers']}), block {j['block']}, {j['rounds']} rounds, "
              f"prefill chunk {j['chunk_size']}.", ""]
-    lines += table(["prefix tokens", "denoising step ms", "× shortest", "prefill s", "prefill tokens/s"],
-                   [[c["prefix"], f(c["denoise_step_ms"]), f(c["over_shortest"]), f(c["prefill"]["seconds"]),
-                     f(c["prefill"]["tokens_per_s"])] for c in j["curve"]])
+    lines += table(["prefix tokens", "denoising step ms", "× shortest", "K/V MB read", "K/V GB/s", "bound ms",
+                    "bound by", "prefill s", "prefill tokens/s"],
+                   [[c["prefix"], f(c["denoise_step_ms"]), f(c["over_shortest"]), f(c["kv_bytes_read"] / 1e6),
+                     f(c["kv_read_gb_per_s"]), f(1e3 * c["bound"]["seconds"]), c["bound"]["limited_by"],
+                     f(c["prefill"]["seconds"]), f(c["prefill"]["tokens_per_s"])] for c in j["curve"]])
+    lines += [f"{render_rates(j['machine_rates'])}; the ratio of the bounds, longest / shortest: "
+              f"{f(j['bound_ratio_longest_over_shortest'])}.", ""]
     a, b = j["lengths"]
     return lines, [["context_scaling", f"denoise step time {b}/{a} prefix", f(j["step_ratio_longest_over_shortest"])]]
 
@@ -146,6 +191,11 @@ def render_compile(j: dict):
         lines += table(["change from the base call", "backend compiles", "decoder loop recompiled", "call s"],
                        [[t["change"], t["backend_compiles"], t["decoder_loop_compiled"], f(t["call_s"])]
                         for t in j["triggers"]])
+    cli = j.get("cli_show_steps")
+    if cli:
+        lines += [f"`clover-jax generate --show-steps` in a new process: first run (empty cache) "
+                  f"{f(statistics.median(cli['first_s']))} s, second run {f(statistics.median(cli['second_s']))} s: "
+                  f"**{f(cli['second_over_first'])}**.", ""]
     summary = [["compile", "first call: persistent cache / cold", f(j["persistent_over_cold_first_call"])],
                ["compile", "cold first call s / warm call s",
                 f"{f(j['cold']['first_call_s'])} / {f(j['cold']['warm_call_s'])}"]]
@@ -156,9 +206,10 @@ def render_moe(j: dict):
     s = j["shape"]
     lines = [f"{j['layer']}; hidden {s['hidden']}, expert intermediate {s['intermediate']}, top-{s['top_k']}, "
              f"{s['dtype']}; {j['rounds']} rounds, medians.", ""]
-    lines += table(["rows", "experts", "distinct experts used", "clover tiled XLA ms", "ragged_dot ms",
-                    "ragged_dot / clover"],
+    lines += table(["rows", "experts", "distinct experts used", "clover XLA ms", "bound ms", "clover / bound",
+                    "ragged_dot ms", "ragged_dot / clover"],
                    [[e["rows"], e["experts"], e["distinct_experts_used"], f(1e3 * e["clover_xla_s"]["median"]),
+                     f(1e3 * e["bound_s"]) if "bound_s" in e else "—", f(e.get("clover_over_bound")),
                      f(None if e["ragged_dot_s"]["median"] is None else 1e3 * e["ragged_dot_s"]["median"]),
                      f(e["ragged_over_clover"])] for e in j["results"]])
     summary = []
@@ -211,11 +262,13 @@ def render_roofline(j: dict):
                     f(plain["tokens_per_forward_needed_for_reported"]["H200"])]]
 
 
-RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "context_scaling": render_context,
+RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "expert_scaling": render_expert_scaling,
+          "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
           "roofline": render_roofline}
 TITLES = {"decoding": "Decoding: diffusion vs autoregressive vs transformers (`benchmarks/decoding.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
+          "expert_scaling": "8 vs 64 experts, same model otherwise (`benchmarks/expert_scaling.py`)",
           "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",
           "compile": "Compilation (`benchmarks/compile.py`)",
           "moe_scaling": "MoE layer vs number of experts (`benchmarks/moe_scaling.py`)",
@@ -255,6 +308,12 @@ def render(results: list[dict], host: dict, quick: bool, total_seconds: float) -
         sections += body
         summary_rows += summary
     lines += table(["benchmark", "measurement", "value"], summary_rows)
+    lines += ["## Targets", "", "Each target figure of the issues, as measured in this run. \"Bound\" is the best the "
+              "figure can be on this machine, worked out from its measured read bandwidth and matmul rate "
+              "(`benchmarks/cost_model.py`); \"—\" where the script cannot work one out.", ""]
+    lines += table(["figure", "value", "target", "met", "bound", "target within the bound"],
+                   [[c["name"], f(c["value"]), f"{c['direction']} {f(c['target'])}", f(c["passed"]),
+                     f(c["hardware_bound"]), f(c["target_reachable"])] for c in all_checks(results)])
     lines += sections
     lines += ["## Raw JSON", ""]
     for result in results:
@@ -262,6 +321,10 @@ def render(results: list[dict], host: dict, quick: bool, total_seconds: float) -
             lines += [f"<details><summary>{result['name']}</summary>", "", "```json",
                       json.dumps(result["json"], indent=1)[:20000], "```", "", "</details>", ""]
     return "\n".join(lines)
+
+
+def all_checks(results: list[dict]) -> list[dict]:
+    return [dict(c, script=r["name"]) for r in results for c in r.get("json", {}).get("checks", [])]
 
 
 def main(argv=None) -> None:
@@ -276,8 +339,21 @@ def main(argv=None) -> None:
     text = render(results, host, args.quick, time.perf_counter() - started)
     with open(args.out, "w") as handle:
         handle.write(text + "\n")
+    missed = [c for c in all_checks(results) if not c["passed"]]
+    failed = [r["name"] for r in results if r["returncode"] != 0]
     print(json.dumps({"out": args.out, "scripts": {r["name"]: {"seconds": round(r["seconds"], 1),
-                                                               "returncode": r["returncode"]} for r in results}}))
+                                                               "returncode": r["returncode"]} for r in results},
+                      "missed_targets": [c["name"] for c in missed], "failed_scripts": failed}))
+    for c in missed:
+        reach = "" if c["target_reachable"] is None else (
+            " (the target is within this machine's bound)" if c["target_reachable"] else
+            f" (no implementation can reach it here: the bound is {f(c['hardware_bound'])})")
+        print(f"run_all: target missed: {c['name']} = {f(c['value'])}, target {c['direction']} {f(c['target'])}"
+              f"{reach}", file=sys.stderr)
+    for name in failed:
+        print(f"run_all: script failed: {name}", file=sys.stderr)
+    if (missed or failed) and not args.quick:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,14 @@ def run_pass(module: CloverTransformer, params: Params, input_ids: jax.Array, st
     return module.apply({"params": params}, input_ids, state, num_causal, logits_from, coreset, coreset_top_p)
 
 
+@persistent_jit(static_argnames=("module", "coreset"))
+def run_denoise(module: CloverTransformer, params: Params, block_ids: jax.Array, state: ModelState, coreset: bool,
+                coreset_top_p: jax.Array) -> BlockLogits:
+    """A denoising forward that returns only its logits: the state is read, never copied out."""
+    out = module.apply({"params": params}, block_ids, state, 0, 0, coreset, coreset_top_p)
+    return BlockLogits(out.logits, out.distinct_experts)
+
+
 @persistent_jit(static_argnames=("module", "chunk_size", "logits"))
 def run_causal(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
                chunk_size: int, logits: str) -> tuple[jax.Array | None, ModelState]:
@@ -194,8 +202,9 @@ class CloverModel:
         """
         ids = self.check_token_ids(block_ids, "block_ids", state)
         self._check_room(state, ids.shape[1])
-        out = self._run(ids, state, num_causal=0, logits_from=0, **self._coreset(coreset, coreset_top_p))
-        return BlockLogits(out.logits, out.distinct_experts)
+        coreset = self._coreset(coreset, coreset_top_p)
+        return run_denoise(self.module, self.run_params, self.place_batch(ids), state, coreset["coreset"],
+                           np.float32(coreset["coreset_top_p"]))
 
     def commit_and_denoise(self, state: ModelState, commit_ids, block_ids, coreset: bool | None = None,
                            coreset_top_p: float | None = None) -> tuple[BlockLogits, ModelState]:

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from clover_jax.quantization import dequantize, take
 
 
-# Experts of at most this many parameters are all evaluated for every token: below it, a loop
-# iteration (~10–20 µs on XLA:CPU) costs more than evaluating the experts no pair routes to.
-SMALL_EXPERT_PARAMETERS = 1 << 16
+# A layer whose routed experts hold at most this many parameters in all has every expert evaluated
+# for every token: below it, the loop's iterations (~10–20 µs each on XLA:CPU) cost more than
+# evaluating the experts no pair routes to (the bundled model: 8 experts of 18K parameters).
+SMALL_LAYER_EXPERT_PARAMETERS = 1 << 20
 STRATEGIES = ("auto", "loop", "dense")
 
 
@@ -63,7 +64,7 @@ def routed_expert_mlp(
     (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`
     strategy: "loop" (the expert-major loops), "dense" (every expert for every token, weighted by
     the routing: for experts so small that a loop iteration costs more than they do) or "auto"
-    (dense for experts of at most `SMALL_EXPERT_PARAMETERS` parameters)
+    (dense when all the layer's experts hold at most `SMALL_LAYER_EXPERT_PARAMETERS` parameters)
     returns [tokens, hidden] in the dtype of `tokens`
     """
     num_tokens, top_k = expert_ids.shape
@@ -73,7 +74,7 @@ def routed_expert_mlp(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "auto":
-        small = 3 * down_proj.shape[1] * down_proj.shape[2] <= SMALL_EXPERT_PARAMETERS
+        small = num_experts * 3 * down_proj.shape[1] * down_proj.shape[2] <= SMALL_LAYER_EXPERT_PARAMETERS
         strategy = "dense" if small else "loop"
     if strategy == "dense":
         return _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)

@@ -181,7 +181,9 @@ def unstack_groups(params: Params) -> Params:
 
 
 def _host_view(leaf) -> "np.ndarray | None":
-    """A NumPy view of a leaf held on one CPU device (no copy), or None."""
+    """A NumPy view of a leaf held on one CPU device (no copy), or None (inside a trace, elsewhere)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None
     if not isinstance(leaf, jax.Array):
         return np.asarray(leaf)
     devices = leaf.sharding.device_set

@@ -14,11 +14,12 @@ from tests.conftest import MASK_ID, token_ids
 
 
 def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
-    assert choose_kernels("auto", "cpu") == KernelChoice("online", "xla", "xla", "cpu")
-    assert choose_kernels("auto", "cuda") == KernelChoice("fused", "pallas", "pallas", "gpu")
-    assert choose_kernels("auto", "tpu") == KernelChoice("online", "pallas", "pallas", "tpu")
-    assert choose_kernels("xla", "tpu") == KernelChoice("online", "xla", "xla", "tpu")
-    assert choose_kernels("pallas", "cpu") == KernelChoice("fused", "pallas", "pallas", "cpu")
+    # CPU runs the layer groups unrolled over separate parameter arrays; accelerators scan them.
+    assert choose_kernels("auto", "cpu") == KernelChoice("online", "xla", "xla", "cpu", "unrolled")
+    assert choose_kernels("auto", "cuda") == KernelChoice("fused", "pallas", "pallas", "gpu", "scan")
+    assert choose_kernels("auto", "tpu") == KernelChoice("online", "pallas", "pallas", "tpu", "scan")
+    assert choose_kernels("xla", "tpu") == KernelChoice("online", "xla", "xla", "tpu", "scan")
+    assert choose_kernels("pallas", "cpu") == KernelChoice("fused", "pallas", "pallas", "cpu", "unrolled")
     assert choose_kernels("pallas", "cpu").interpret
     with pytest.raises(ValueError, match="impl='triton' is not one of"):
         choose_kernels("triton")
