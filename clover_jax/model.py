@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, name=name)(
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, plan=self.plan, name=name)(
             mixed, state, group, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)

@@ -46,20 +46,26 @@ def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
 
 def expert_parallel_mlp(kernels: KernelChoice, plan: MeshPlan, tokens: jax.Array, expert_ids: jax.Array,
                         expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
-    """`expert_mlp` with the experts split over the mesh's expert axis (same arguments)."""
-    expert_axis = plan.rules.experts
+    """`expert_mlp` inside `shard_map` on the plan's mesh (same arguments): each device runs the
+    pairs routed to its own experts (the experts split over the expert axis, when it has more
+    than one device) and a psum over that axis adds the partial outputs."""
+    expert_axis = plan.rules.experts if plan.axis_size(plan.rules.experts) > 1 else None
     data_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 else None
     rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
 
     def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+        if expert_axis is None:
+            return expert_mlp(kernels, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
         num_local = gate_up_proj.shape[0]
         local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
         local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
         partial = expert_mlp(kernels, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
         return jax.lax.psum(partial, expert_axis)
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows)(
-        tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+    # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
+    # annotation that shard_map's check requires, and would otherwise not lower inside it.
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
+                         check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
 
 
 class SharedExpert(nn.Module):
@@ -110,7 +116,8 @@ class SparseMoE(nn.Module):
                                  (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
-        if self.plan is not None and self.plan.axis_size(self.plan.rules.experts) > 1:
+        # On a mesh, a Pallas kernel must run inside shard_map (XLA cannot partition a custom call).
+        if self.plan is not None and (self.plan.axis_size(self.plan.rules.experts) > 1 or self.kernels.moe == "pallas"):
             routed = expert_parallel_mlp(self.kernels, self.plan, tokens, *pairs, gate_up_proj, down_proj)
         else:
             routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
