@@ -8,13 +8,12 @@ number (so a run resumed from an Orbax checkpoint sees the same data) and the no
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +44,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 25
-    # Trace the GDN's chunked delta rule with this chunk size (same maths; None keeps the model's
-    # 64). Training passes hold few tokens, and a 64-token chunk costs the same for 8 or 64.
+    # The model's GDN chunk setting (`KernelChoice.gdn_chunk`) for training passes (same maths;
+    # None: chosen per pass length as in decoding). Training passes hold few tokens.
     gdn_chunk_size: int | None = 16
 
 
@@ -65,28 +64,14 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b2=config.adam_b2, weight_decay=config.weight_decay))
 
 
-@contextlib.contextmanager
-def gdn_chunk_size(chunk_size: int | None) -> Iterator[None]:
-    """While tracing, run the GDN's chunked delta rule with `chunk_size`-token chunks."""
-    if chunk_size is None:
-        yield
-        return
-    from clover_jax import gated_delta, gdn
-
-    original = gdn.chunked_gated_delta_rule
-    gdn.chunked_gated_delta_rule = functools.partial(gated_delta.chunked_gated_delta_rule, chunk_size=chunk_size)
-    try:
-        yield
-    finally:
-        gdn.chunked_gated_delta_rule = original
-
-
 class Trainer:
     """Joint block-diffusion and next-token training of a `CloverTransformer` (see
     `clover_jax.training.objective`)."""
 
     def __init__(self, module: CloverTransformer, config: TrainConfig, mask_token_id: int, coreset: bool = True,
                  coreset_top_p: float = 0.9):
+        if config.gdn_chunk_size is not None:
+            module = module.clone(kernels=dataclasses.replace(module.kernels, gdn_chunk=config.gdn_chunk_size))
         self.module = module
         self.config = config
         self.optimizer = make_optimizer(config)
@@ -112,8 +97,7 @@ class Trainer:
         return TrainState(jnp.int32(0), params, self.optimizer.init(params))
 
     def step(self, state: TrainState, batch: TrainBatch, key: jax.Array) -> tuple[TrainState, dict]:
-        with gdn_chunk_size(self.config.gdn_chunk_size):
-            return self._train_step(state, batch, key)
+        return self._train_step(state, batch, key)
 
     def fit(self, state: TrainState, batch_for_step: Callable[[int], TrainBatch],
             checkpoint_dir: str | os.PathLike | None = None, progress: bool = True) -> tuple[TrainState, list[dict]]:
