@@ -22,6 +22,7 @@ its files must not come from an untrusted source.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -125,6 +126,9 @@ class PersistentJit:
         self.static = frozenset(static_argnames)
         self.loaded: dict[tuple, Any] = {}
         self.hits = self.stores = 0
+        # Signatures of argument objects seen before, by identity (the model, its parameters):
+        # describing them again on every call would cost more than the call's own host work.
+        self._signatures: collections.OrderedDict[int, tuple[Any, str]] = collections.OrderedDict()
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -132,11 +136,10 @@ class PersistentJit:
         if directory is None:
             return self.jitted(*args, **kwargs)
         named = dict(zip(self.parameters, args), **kwargs)
-        static = {name: named[name] for name in self.parameters if name in self.static and name in named}
         dynamic = tuple(named[name] for name in self.parameters if name not in self.static and name in named)
-        leaves, tree = jax.tree_util.tree_flatten(dynamic)
         try:
-            key = (describe(static), str(tree), tuple(_abstract(leaf) for leaf in leaves))
+            key = tuple(self._signature(named[name], name in self.static) for name in self.parameters
+                        if name in named)
         except NotNameable:
             return self.jitted(*args, **kwargs)
         compiled = self.loaded.get(key)
@@ -146,6 +149,24 @@ class PersistentJit:
         if compiled is False:  # JAX cannot serialize this program
             return self.jitted(*args, **kwargs)
         return compiled(*dynamic)
+
+    def _signature(self, value: Any, static: bool) -> str:
+        """describe(value) for a static argument, else its tree structure, shapes, dtypes and shardings;
+        remembered for objects that come back (a model's parameters, its module)."""
+        remembered = self._signatures.get(id(value))
+        if remembered is not None and remembered[0] is value:
+            self._signatures.move_to_end(id(value))
+            return remembered[1]
+        if static:
+            signature = describe(value)
+        else:
+            leaves, tree = jax.tree_util.tree_flatten(value)
+            signature = str(tree) + ";" + ",".join(_abstract(leaf) for leaf in leaves)
+        if isinstance(value, (dict, tuple)) or dataclasses.is_dataclass(value):
+            self._signatures[id(value)] = (value, signature)
+            if len(self._signatures) > 64:
+                self._signatures.popitem(last=False)
+        return signature
 
     def _load_or_compile(self, directory: str, key: tuple, named: dict):
         digest = hashlib.sha256(repr((self.fn.__module__, self.fn.__qualname__, code_version(), key)).encode())
