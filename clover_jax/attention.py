@@ -5,7 +5,9 @@ the next `head_dim` the output gate. q and k pass a zero-centred RMSNorm over `h
 partial RoPE; the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
 
 One pass handles `num_causal` causal rows followed by an optional block (spec §3):
-  * causal rows append their K/V to the cache and attend causally to it;
+  * causal rows append their K/V to the cache and attend causally to it (at the batch's fill, or
+    at each sequence's own when `length` is per sequence: rolling back is setting it, since rows
+    past a sequence's fill are masked and the next pass overwrites them);
   * block rows attend to the whole prefix in the cache (after the causal rows) and
     bidirectionally to each other; their K/V are not written.
 """
@@ -55,16 +57,20 @@ class GatedAttention(nn.Module):
 
         causal = self.num_causal
         if causal:
-            write = lambda buffer, new: jax.lax.dynamic_update_slice(
-                buffer, new[None].astype(buffer.dtype), (group, 0, rows.length, 0, 0))
+            if rows.length.ndim:  # each sequence appends at its own fill (after a rollback)
+                at = (group, jnp.arange(x.shape[0])[:, None], rows.length[:, None] + jnp.arange(causal))
+                write = lambda buffer, new: buffer.at[at].set(new.astype(buffer.dtype))
+            else:
+                write = lambda buffer, new: jax.lax.dynamic_update_slice(
+                    buffer, new[None].astype(buffer.dtype), (group, 0, rows.length, 0, 0))
             cache = KVCache(write(cache.key, key[:, :causal]), write(cache.value, value[:, :causal]))
-        filled = rows.length + causal
-        row_index = rows.length + jnp.arange(x.shape[1])
+        filled = jnp.reshape(rows.length + causal, (-1, 1, 1))                     # [1 or b, 1, 1]
+        row_index = jnp.reshape(rows.length, (-1, 1)) + jnp.arange(x.shape[1])  # [1 or b, tokens]
         is_causal_row = (jnp.arange(x.shape[1]) < causal)[None, :, None]
 
         def cache_allowed(index):
             # causal row i sees cache rows start..length+i; block rows see the whole filled prefix.
-            upto = jnp.where(is_causal_row, index[None, None, :] <= row_index[None, :, None],
+            upto = jnp.where(is_causal_row, index[None, None, :] <= row_index[:, :, None],
                              index[None, None, :] < filled)
             return (index[None, None, :] >= rows.start[:, None, None]) & upto
 
@@ -73,7 +79,7 @@ class GatedAttention(nn.Module):
             start = (group, 0, first, 0, 0)
             return (jax.lax.dynamic_slice(cache.key, start, shape)[0], jax.lax.dynamic_slice(cache.value, start, shape)[0])
 
-        segments = [KeySegment(read_cache, cache.key.shape[2], cache_allowed, filled)]
+        segments = [KeySegment(read_cache, cache.key.shape[2], cache_allowed, jnp.max(filled))]
         if x.shape[1] > causal:
             block_allowed = lambda index: jnp.broadcast_to(~is_causal_row, (x.shape[0], x.shape[1], index.shape[0]))
             segments.append(array_segment(key[:, causal:], value[:, causal:], block_allowed))

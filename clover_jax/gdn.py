@@ -15,7 +15,10 @@ Block rows (the denoising forward), spec §3, read the state without changing it
     o_i = (e^μ m_i + Σ_j e^{l_ij} v_j) / (e^μ + Σ_j e^{l_ij})
 
 A pass holds `num_causal` causal rows and then an optional block that reads the state left by
-those rows, so a commit and the next block's first denoising step are one call.
+those rows, so a commit and the next block's first denoising step are one call. Given a
+`RecordingGDN` state (`clover_jax.rollback.recording`), the causal rows also record their
+pre-convolution rows and the delta rule's per-row inputs, from which `clover_jax.rollback`
+restores the state at any of them (self-speculative decoding).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from clover_jax.gated_delta import chunked_gated_delta_rule, recurrent_gated_del
 from clover_jax.kernels import KernelChoice
 from clover_jax.sharding import MeshPlan
 from clover_jax.layers import GatedRMSNorm, Linear, l2_normalize
-from clover_jax.state import GDNState, Rows
+from clover_jax.state import GDNRecord, GDNState, RecordingGDN, Rows
 
 
 def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -109,11 +112,13 @@ class GatedDeltaNet(nn.Module):
     plan: MeshPlan | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, stacked: GDNState, group, rows: Rows) -> tuple[jax.Array, GDNState]:
+    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group,
+                 rows: Rows) -> tuple[jax.Array, GDNState | RecordingGDN]:
         """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], `stacked` with this layer's state
         advanced by the causal rows).
 
         stacked: this slot's GDN state for every group (leading [num_groups] axis); group: ours.
+        A `RecordingGDN` comes back with our group's record filled from the causal rows.
         """
         config = self.config
         heads = config.linear_num_value_heads
@@ -135,6 +140,13 @@ class GatedDeltaNet(nn.Module):
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
         causal, cores = self.num_causal, []
+        record = None
+        if isinstance(stacked, RecordingGDN):
+            stacked, record = stacked
+            if record.key.shape[2] != causal:
+                raise ValueError(f"the record holds {record.key.shape[2]} rows but the pass has {causal} causal rows")
+        put = lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(
+            all_groups, ours.astype(all_groups.dtype), group, 0)
         state = jax.tree_util.tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, group, keepdims=False), stacked)
 
         def split_qkv(activated):
@@ -162,10 +174,10 @@ class GatedDeltaNet(nn.Module):
                 rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
+            if record is not None:
+                record = jax.tree_util.tree_map(put, record, GDNRecord(window, state.recurrent, key, value, decay, beta))
             state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
-            stacked = jax.tree_util.tree_map(
-                lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(all_groups, ours.astype(all_groups.dtype),
-                                                                             group, 0), stacked, state)
+            stacked = jax.tree_util.tree_map(put, stacked, state)
             cores.append(core)
 
         if x.shape[1] > causal:
@@ -183,4 +195,4 @@ class GatedDeltaNet(nn.Module):
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
         normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
         out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
-        return out, stacked
+        return out, stacked if record is None else RecordingGDN(stacked, record)

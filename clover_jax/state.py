@@ -4,7 +4,9 @@ A `ModelState` has a static capacity (the K/V cache length) and a traced fill `l
 one compiled pass serves every prefix length up to the capacity. Sequences of a batch share
 the cache index space; sequence `b` starts at cache index `start[b]` (left padding that
 lines up blocks across a batch), and its RoPE position of cache index `c` is `c - start[b]`.
-Rows before `start[b]` leave the state exactly as if absent.
+Rows before `start[b]` leave the state exactly as if absent. `length` is one fill for the
+whole batch, or one per sequence (int32 [batch]) once a rollback (`clover_jax.rollback`) has
+kept a different number of rows for each; a pass then writes each sequence's rows at its own fill.
 """
 
 from __future__ import annotations
@@ -37,9 +39,38 @@ class KVCache(NamedTuple):
     value: jax.Array
 
 
+class GDNRecord(NamedTuple):
+    """What a causal pass of T rows leaves so that a GDN layer's state can be restored at any of
+    its rows (`clover_jax.rollback`); every leaf has a leading [num_groups] axis.
+
+    window: [batch, K-1 + T, conv_dim] (model dtype), the conv state before the pass, then the
+    pass's pre-convolution rows; initial: float32 [batch, value_heads, key_dim, value_dim], the
+    recurrent state before the pass; key: float32 [batch, T, key_heads, key_dim] (L2-normalised);
+    value: float32 [batch, T, value_heads, value_dim]; decay, beta: float32 [batch, T, value_heads]
+    — the gated delta rule's inputs, row by row.
+    """
+
+    window: jax.Array
+    initial: jax.Array
+    key: jax.Array
+    value: jax.Array
+    decay: jax.Array
+    beta: jax.Array
+
+
+class RecordingGDN(NamedTuple):
+    """A GDN layer's state in a recording pass: the state, advanced as by any causal pass, and
+    the record that pass fills (`clover_jax.rollback.recording`)."""
+
+    state: GDNState
+    record: GDNRecord
+
+
 class ModelState(NamedTuple):
-    """length: int32 [], cache rows filled; start: int32 [batch], first real row of each sequence;
-    layers: {slot name: GDNState | KVCache}, every leaf with a leading [num_groups] axis."""
+    """length: int32 [] (cache rows filled) or int32 [batch] (each sequence's own fill, see the
+    module docstring); start: int32 [batch], first real row of each sequence;
+    layers: {slot name: GDNState | KVCache}, every leaf with a leading [num_groups] axis
+    (a GDN layer is a `RecordingGDN` inside a recording pass)."""
 
     length: jax.Array
     start: jax.Array
@@ -60,7 +91,8 @@ class ModelState(NamedTuple):
 class Rows(NamedTuple):
     """Where the `tokens` rows of one pass sit: cache index `length + i` for row i.
 
-    positions: int32 [batch, tokens] RoPE positions; valid: bool [batch, tokens] (False before start).
+    length: int32 [] or [batch], as `ModelState.length`; positions: int32 [batch, tokens] RoPE
+    positions; valid: bool [batch, tokens] (False before start).
     """
 
     length: jax.Array
@@ -70,8 +102,8 @@ class Rows(NamedTuple):
 
 
 def rows_for(state: ModelState, num_tokens: int) -> Rows:
-    cache_index = state.length + jnp.arange(num_tokens, dtype=jnp.int32)
-    positions = cache_index[None, :] - state.start[:, None]
+    cache_index = jnp.reshape(state.length, (-1, 1)) + jnp.arange(num_tokens, dtype=jnp.int32)  # [1 or b, t]
+    positions = cache_index - state.start[:, None]
     return Rows(state.length, state.start, jnp.maximum(positions, 0), positions >= 0)
 
 
