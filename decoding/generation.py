@@ -36,6 +36,7 @@ from decoding.block_loop import (History, LoopSpec, Request, next_block, next_st
                                  start_blocks, start_steps)
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
+from decoding.speculative import SpeculativeSpec, run_self_speculative
 from decoding.schedules import resolve, resolve_params
 from decoding.streaming import BlockListener, BlockReporter
 
@@ -48,7 +49,9 @@ class GenerateOutput:
     passes, denoising steps of each decoded block, response tokens per forward, mean distinct
     experts per MoE layer per step of each block; the wall time of the call; and, with
     `return_trajectory=True`, for every response position the denoising step (1-based, within its
-    block) that filled it and its confidence then."""
+    block) that filled it and its confidence then (diffusion), or each round's `drafts` (B tokens),
+    `accepted` (drafts accepted) and `emitted` (tokens emitted) (self-speculative). In
+    self-speculative mode a "block" is a round: one denoising pass each."""
 
     sequences: list[list[int]]
     nfe: list[int]
@@ -63,6 +66,9 @@ class GenerateOutput:
 @functools.lru_cache(maxsize=1)
 def _default_key() -> jax.Array:
     return jax.random.key(0)
+
+
+MODES = ("diffusion", "autoregressive", "self_speculative")
 
 
 def bucket(count: int, step: int) -> int:
@@ -83,7 +89,10 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
     prompts: token ids per prompt; generation_config: defaults to the checkpoint's
     `generation_config.json`; overrides: GenerationConfig fields; key: PRNG key for sampling
-    (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion" or "autoregressive".
+    (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion", "autoregressive" or
+    "self_speculative" (spec §8: a denoising pass drafts `block_size` tokens, a causal pass verifies
+    them; greedy, and its output equals "autoregressive"'s; `return_trajectory=True` gives, per
+    prompt, each round's drafts, accepted drafts and emitted tokens).
 
     Diffusion mode only:
     on_block(prompt index, response tokens of the block, block number) is called on the host as
@@ -103,6 +112,12 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     if (return_trajectory or return_history or listening) and mode == "autoregressive":
         raise ValueError("return_trajectory, return_history, on_block, streamer, on_step and progress are for "
                          "diffusion decoding")
+    if (return_history or listening) and mode == "self_speculative":
+        raise ValueError("return_history, on_block, streamer, on_step and progress are for diffusion decoding; "
+                         "self-speculative decoding records its rounds with return_trajectory=True")
+    if config.do_sample and mode == "self_speculative":
+        raise ValueError("self-speculative decoding is greedy: do_sample=True is not supported in this mode "
+                         "(sample with mode='autoregressive' or 'diffusion')")
     if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
         raise ValueError(f"streamer must have put(ids) and end() methods, got {type(streamer).__name__}")
     if config.do_sample and key is None:
@@ -113,6 +128,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     started = time.perf_counter()
     if mode == "autoregressive":
         output = _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking)
+    elif mode == "self_speculative":
+        output = _generate_self_speculative(model, prompts, config, controls, ids, thinking, return_trajectory)
     else:
         bar = tqdm(total=len(prompts) * config.max_new_tokens, unit="tok", desc="decoding") if progress else None
         try:
@@ -165,11 +182,11 @@ def _completed(model, config: GenerationConfig) -> GenerationConfig:
 
 def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
     vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
-    if mode not in ("diffusion", "autoregressive"):
-        raise ValueError(f"mode must be 'diffusion' or 'autoregressive', got {mode!r}")
-    if mode == "diffusion" and config.mask_token_id is None:
-        raise ValueError("diffusion decoding needs mask_token_id (config.json or generation_config.json); "
-                         "base Qwen checkpoints decode with mode='autoregressive'")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode != "autoregressive" and config.mask_token_id is None:
+        raise ValueError(f"{mode.replace('_', '-')} decoding needs mask_token_id (config.json or "
+                         "generation_config.json); base Qwen checkpoints decode with mode='autoregressive'")
     for name in ("mask_token_id", "think_start_token_id", "think_end_token_id"):
         value = getattr(config, name)
         if value is not None and not 0 <= value < vocab:
@@ -193,7 +210,7 @@ def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[
         if config.mask_token_id is not None and np.any(array == config.mask_token_id):
             raise ValueError(f"prompt {index} contains the mask token id {config.mask_token_id}")
         length = int(array.size)
-        if mode == "autoregressive":
+        if mode != "diffusion":  # drafted positions past N are never emitted
             needed, rule = length + new, "P + N"
         elif config.block_alignment == "absolute":
             needed, rule = math.ceil((length + new) / size) * size, "ceil((P + N) / B) * B"
@@ -372,4 +389,37 @@ def _generate_autoregressive(model, prompts, config, key, controls, ids, thinkin
         output.steps_per_block.append([1] * len(response))
         output.tokens_per_forward.append(len(response) / max(int(nfe[i]), 1))
         output.distinct_experts_per_block.append([])
+    return output
+
+
+# ---------------------------------------------------------------------- self-speculative
+def _generate_self_speculative(model, prompts, config, controls, ids, thinking,
+                               return_trajectory: bool) -> GenerateOutput:
+    """Prompts left-padded as for autoregressive decoding; rounds of `decoding.speculative`."""
+    size = config.block_size
+    lengths = np.array([len(p) for p in prompts])
+    prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
+    spec = SpeculativeSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), size,
+                           _coreset(model, config), return_trajectory, model.chunk_size)
+    _check_memory(model, len(prompts), prompt_length + spec.max_new_tokens + size, size)
+    prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompt_ids[i, prompt_length - len(prompt):] = prompt
+    coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
+    final = jax.device_get(run_self_speculative(
+        model.module, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
+        np.full(len(prompts), config.max_new_tokens, np.int32), thinking, np.float32(coreset_top_p), controls, ids))
+    output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
+    for i in range(len(prompts)):
+        response = final.tokens[i, :int(final.lengths[i])].tolist()
+        rounds = (int(final.nfe[i]) - int(lengths[i] > 1)) // 2
+        output.sequences.append(response)
+        output.nfe.append(int(final.nfe[i]))
+        output.steps_per_block.append([1] * rounds)  # one denoising pass per round
+        output.tokens_per_forward.append(len(response) / max(int(final.nfe[i]), 1))
+        output.distinct_experts_per_block.append([float(d) for d in final.distinct_experts[i, :rounds]])
+        if return_trajectory:
+            output.trajectory.append({"drafts": final.rounds.drafts[i, :rounds].tolist(),
+                                      "accepted": final.rounds.accepted[i, :rounds].tolist(),
+                                      "emitted": final.rounds.emitted[i, :rounds].tolist()})
     return output

@@ -1,0 +1,195 @@
+"""Self-speculative decoding (spec §8, `mode="self_speculative"`): the block-mode pass drafts a
+block, the causal pass verifies it, and the causal state is rolled back to what was accepted.
+
+Every sequence holds a *pending* token: the latest token emitted (in the first round, the
+prompt's last token), not yet in the state. One round, in lockstep over the batch:
+
+1. **Draft** — one forward: the pending token as a causal row (it is appended to the state; a
+   commit fused with a denoising step, as the block decoder fuses them) and B masks as block
+   rows right after it. The causal row's logits are the autoregressive logits of the next
+   position; the masked rows' greedy candidates after `process` (spec §4, counts = the response
+   so far) are the drafts d_0 … d_{B-1}.
+2. **Verify** — one recording causal pass over the drafts (`clover_jax.rollback`).
+3. **Accept** — c_j, the token autoregressive decoding would emit at draft position j if
+   d_0 … d_{j-1} were accepted: the greedy choice of `process`(causal logits of the row before
+   position j, counts + d_0 … d_{j-1}, response index of j). With a = the number of leading j
+   where d_j = c_j, the round emits c_0 … c_a: the a accepted drafts (equal to their c) and the
+   causal pass's own token where they first differ (or after the whole block). It stops at the
+   first EOS and at max_new_tokens.
+4. **Roll back** — the state keeps the pending row and the a accepted drafts' rows; c_a becomes
+   the pending token, so the next draft starts right after the accepted tokens.
+
+Every emitted token is thus the greedy choice from processed causal logits over exactly the
+tokens before it: what `mode="autoregressive"` emits (the two compute those logits in passes of
+different shapes, so they agree to float rounding; greedy decisions far from ties agree exactly).
+NFE counts every pass: the prefill (all prompt tokens but the last, when there are any) plus two
+per round. Each sequence's accepted length is its own: after a rollback the state's fill is per
+sequence, and a finished sequence's fill stays where it was.
+
+Why the verify pass is not fused with the next round's draft: the next draft reads the state
+after the accepted tokens and sits right after them, and which tokens are accepted is known only
+from the verify pass's logits; a fused call would have to draft after the whole block, which is
+of use only when all of it is accepted. The pending token's commit is what fuses (step 1).
+
+Greedy only: sampling would need the speculative accept/resample rule over the draft and causal
+distributions; `generate` refuses `do_sample=True` in this mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.chunked import causal_pass
+from clover_jax.executable_cache import persistent_jit
+from clover_jax.model import CloverTransformer
+from clover_jax.rollback import recording, rolled_back
+from clover_jax.sharding import constrain_state
+from clover_jax.state import ModelState, empty_state
+from decoding.controls import Controls, TokenIds, choose, process
+
+
+class SpeculativeSpec(NamedTuple):
+    """Static layout of one compiled decoder (changing any field recompiles)."""
+
+    prompt_length: int   # left-padded prompt length
+    max_new_tokens: int  # buffer length (bucketed); also the most rounds a decode can take
+    block_size: int      # drafted positions per round
+    coreset: bool        # block expert selection in the draft pass
+    trajectory: bool     # record every round's drafts and accepted run
+    chunk_size: int      # tokens per causal pass of the prefill
+
+
+class Rounds(NamedTuple):
+    """Every round of every sequence, filled inside the loop when requested; R = max_new_tokens
+    (a round emits at least one token), rows past a sequence's `num_rounds` are padding."""
+
+    drafts: jax.Array     # int32 [b, R, B]: the draft of each round
+    accepted: jax.Array   # int32 [b, R]: drafts accepted (the leading run equal to the causal choices)
+    emitted: jax.Array    # int32 [b, R]: tokens the round emitted (accepted + 1, cut at EOS / max_new_tokens)
+    num_rounds: jax.Array  # int32 [b]
+
+
+class SpeculativeResults(NamedTuple):
+    """What leaves the device: the per-sequence outputs, not the caches."""
+
+    tokens: jax.Array            # int32 [b, max_new_tokens]
+    lengths: jax.Array           # int32 [b]: tokens emitted
+    nfe: jax.Array               # int32 [b]
+    distinct_experts: jax.Array  # float32 [b, R]: of each round's draft pass, mean over layers
+    rounds: Rounds | None
+
+
+class SpeculativeState(NamedTuple):
+    model: ModelState            # everything before each sequence's pending token; length int32 [b]
+    pending: jax.Array           # int32 [b]
+    tokens: jax.Array            # int32 [b, max_new_tokens]
+    counts: jax.Array            # int32 [b, vocab]: response tokens emitted
+    finished: jax.Array          # bool [b]
+    lengths: jax.Array           # int32 [b]: tokens emitted
+    nfe: jax.Array               # int32 [b]
+    distinct_experts: jax.Array  # float32 [b, R]
+    rounds: Rounds | None
+    round: jax.Array             # int32 []
+
+
+def thinking_open(counts: jax.Array, prompt_thinking: jax.Array, ids: TokenIds) -> jax.Array:
+    """bool [b]: the prompt or the response opened <think> and the response has not closed it."""
+    count = lambda token: jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)
+    return (prompt_thinking | (count(ids.think_start) > 0)) & (count(ids.think_end) == 0)
+
+
+def greedy_processed(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thinking: jax.Array,
+                     controls: Controls, ids: TokenIds) -> jax.Array:
+    """int32 [b, rows]: `process` then greedy, per sequence. logits: [b, rows, vocab]; response_index: [b, rows]."""
+    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
+        logits, counts, response_index, thinking, controls, ids)
+    return jax.vmap(lambda rows: choose(rows, controls, False, None).token)(processed)
+
+
+def causal_choices(logits: jax.Array, drafts: jax.Array, counts: jax.Array, lengths: jax.Array,
+                   prompt_thinking: jax.Array, controls: Controls, ids: TokenIds) -> jax.Array:
+    """c_0 … c_B (int32 [b, B+1]): row j's token as autoregressive decoding would choose it after
+    the drafts before j. logits: float32 [b, B+1, vocab], row j the causal logits before position j;
+    drafts: int32 [b, B]; counts: [b, vocab], the response so far; lengths: [b], its length."""
+    batch = drafts.shape[0]
+    after = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)  # the last row adds nothing used
+
+    def row(counts, inputs):
+        logits_j, draft_j, j = inputs
+        thinking = thinking_open(counts, prompt_thinking, ids)
+        token = greedy_processed(logits_j[:, None], counts, (lengths + j)[:, None], thinking, controls, ids)[:, 0]
+        return counts.at[jnp.arange(batch), draft_j].add(1), token
+
+    _, tokens = jax.lax.scan(row, counts, (jnp.moveaxis(logits, 1, 0), after.T, jnp.arange(after.shape[1])))
+    return tokens.T
+
+
+@persistent_jit(static_argnames=("module", "spec"))
+def run_self_speculative(module: CloverTransformer, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array,
+                         start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array,
+                         coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
+    """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
+
+    prompt_ids: int32 [b, prompt_length], left padded (`start` [b]: first real row);
+    max_new_tokens: int32 [b]; prompt_thinking: bool [b]; coreset_top_p: float32 [].
+    """
+    batch, size = prompt_ids.shape[0], spec.block_size
+    vocab, limit = module.config.vocab_size, spec.max_new_tokens
+    capacity = spec.prompt_length + spec.max_new_tokens + size
+    model_state = constrain_state(empty_state(module.config, batch, capacity, module.dtype, start), module.plan)
+    _, model_state = causal_pass(module, params, prompt_ids[:, :-1], model_state, spec.chunk_size)
+    model_state = model_state._replace(length=jnp.broadcast_to(model_state.length, (batch,)))
+    rounds = None
+    if spec.trajectory:
+        rounds = Rounds(jnp.zeros((batch, limit, size), jnp.int32), jnp.zeros((batch, limit), jnp.int32),
+                        jnp.zeros((batch, limit), jnp.int32), jnp.zeros(batch, jnp.int32))
+    has_prefill = (spec.prompt_length - start) > 1
+    initial = SpeculativeState(
+        model_state, prompt_ids[:, -1], jnp.zeros((batch, limit), jnp.int32), jnp.zeros((batch, vocab), jnp.int32),
+        jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32), has_prefill.astype(jnp.int32),
+        jnp.zeros((batch, limit), jnp.float32), rounds, jnp.int32(0))
+
+    def one_round(s: SpeculativeState) -> SpeculativeState:
+        active = ~s.finished
+        rows = jnp.arange(size)
+        block = jnp.concatenate([s.pending[:, None], jnp.full((batch, size), ids.mask, jnp.int32)], axis=1)
+        draft = module.apply({"params": params}, block, s.model, 1, 0, spec.coreset, coreset_top_p)
+        thinking = thinking_open(s.counts, prompt_thinking, ids)
+        drafts = greedy_processed(draft.logits[:, 1:], s.counts, s.lengths[:, None] + rows, thinking, controls, ids)
+        verify = module.apply({"params": params}, drafts, recording(draft.state, module.config, size), size, 0)
+        logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
+        choices = causal_choices(logits, drafts, s.counts, s.lengths, prompt_thinking, controls, ids)
+        accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
+
+        # Emit c_0 ... c_a, cut after the first EOS and at max_new_tokens.
+        offsets = jnp.arange(size + 1)
+        is_eos = jnp.any(choices[..., None] == ids.eos, axis=-1) & (offsets <= accepted[:, None])
+        through_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, size + 1)
+        emitted = jnp.minimum(jnp.minimum(accepted + 1, through_eos), max_new_tokens - s.lengths)
+        emitted = jnp.where(active, emitted, 0)
+        written = offsets[None, :] < emitted[:, None]                                     # [b, B+1]
+        columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped
+        tokens = s.tokens.at[jnp.arange(batch)[:, None], columns].set(choices, mode="drop")
+        counts = s.counts.at[jnp.arange(batch)[:, None], choices].add(written.astype(jnp.int32))
+        lengths = s.lengths + emitted
+        finished = s.finished | (active & ((through_eos <= emitted) | (lengths >= max_new_tokens)))
+
+        model = rolled_back(verify.state, jnp.where(active, accepted, 0), size)
+        model = model._replace(length=jnp.where(active, model.length, s.model.length))  # finished: frozen
+        pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
+        distinct = s.distinct_experts.at[:, s.round].set(
+            jnp.where(active, jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0), 0.0))
+        rounds = s.rounds
+        if spec.trajectory:
+            at = jnp.where(active, s.round, limit)  # finished sequences: dropped
+            put = lambda buffer, value: buffer.at[jnp.arange(batch), at].set(value, mode="drop")
+            rounds = Rounds(put(rounds.drafts, drafts), put(rounds.accepted, accepted), put(rounds.emitted, emitted),
+                            rounds.num_rounds + active)
+        return SpeculativeState(model, pending, tokens, counts, finished, lengths, s.nfe + 2 * active, distinct,
+                                rounds, s.round + 1)
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.round < limit), one_round, initial)
+    return SpeculativeResults(final.tokens, final.lengths, final.nfe, final.distinct_experts, final.rounds)
