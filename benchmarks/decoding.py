@@ -1,5 +1,6 @@
 """Decoding speed side by side on one checkpoint: clover-jax block diffusion vs clover-jax
-autoregressive vs `transformers` `generate` (greedy, with its cache), on the same prompts.
+self-speculative vs clover-jax autoregressive vs `transformers` `generate` (greedy, with its
+cache), on the same prompts.
 
 Default checkpoint: the bundled trained tiny Clover (`clover_jax/bundled/tiny-clover`) with its
 task (sorting digits, `clover_jax.training.task`), so accuracy is scored too. `--model DIR` takes
@@ -12,19 +13,21 @@ Methods, each at batch 1 over every prompt in turn (the launch article's speeds 
     generation_config.json (block size, threshold, controls);
   * `clover_autoregressive`: `generate(mode="autoregressive")`, greedy, with neutral controls
     (no penalties or biases) so that it does the work `transformers`' greedy search does;
+  * `clover_self_speculative`: `generate(mode="self_speculative")` (a denoising pass drafts a
+    block of the generation config's size, a causal pass verifies it), with the same neutral
+    controls, so that its tokens must equal `clover_autoregressive`'s (it is lossless; checked);
   * `transformers`: `Qwen3_5MoeForCausalLM.from_pretrained` on a view of the same weights (config
     `model_type` `qwen3_5_moe_text`; the Clover block-mode tensors are not part of the causal
     backbone and transformers ignores them), `generate(do_sample=False, use_cache=True)`,
     float32, torch threads = cores. Its forward calls are counted with a forward hook.
-All three stop at the EOS ids and at the same max_new_tokens. One untimed warm-up pass over the
+All of them stop at the EOS ids and at the same max_new_tokens. One untimed warm-up pass over the
 prompts compiles every shape bucket; then `--rounds` rounds alternate the methods (rotated
 order) and each method's tokens/s is total response tokens / wall time of its pass; medians of
 rounds. The JSON has per method: tokens/s, NFE (mean), tokens per forward (pooled), accuracy
 (exact answer, when the task scorer applies), and the ratios between methods.
 
-Note: the tiny Clover is trained on the block-diffusion objective only; its causal (commit)
-pass is not trained to predict the next token, so autoregressive answers are expected to be
-wrong there — the autoregressive rows measure speed per token, not quality.
+The bundled tiny Clover is trained on block diffusion and next-token prediction together
+(`docs/tiny_model.md`), so every method's accuracy is scored.
 
 Usage: `python benchmarks/decoding.py [--model DIR | --random] [--prompts 16] [--rounds 3] [--quick]`.
 """
@@ -65,7 +68,8 @@ def host_overhead(generate, model, prompts, config, mode: str, extra: dict, new:
 
     from decoding import generation
 
-    name = "run_block_decoder" if mode == "diffusion" else "run_autoregressive"
+    name = {"diffusion": "run_block_decoder", "autoregressive": "run_autoregressive",
+            "self_speculative": "run_self_speculative"}[mode]
     compiled, inside = getattr(generation, name), []
 
     def timed_call(*args, **kwargs):
@@ -163,7 +167,7 @@ def main(argv=None) -> None:
             def run():
                 out = {"sequences": [], "nfe": []}
                 for prompt in prompts:
-                    extra = NEUTRAL_CONTROLS if mode == "autoregressive" else {}
+                    extra = {} if mode == "diffusion" else NEUTRAL_CONTROLS
                     result = generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
                     out["sequences"].append(result.sequences[0])
                     out["nfe"].append(result.nfe[0])
@@ -186,7 +190,7 @@ def main(argv=None) -> None:
             return out
 
         methods = {"clover_diffusion": run_clover("diffusion"), "clover_autoregressive": run_clover("autoregressive"),
-                   "transformers": run_transformers}
+                   "clover_self_speculative": run_clover("self_speculative"), "transformers": run_transformers}
         timings = alternate(methods, args.rounds)
         results = {}
         for name, timing in timings.items():
@@ -202,10 +206,12 @@ def main(argv=None) -> None:
                 "accuracy": score(last["sequences"]) if score else None,
             }
         overhead = {mode: host_overhead(generate, model, prompts, config, mode,
-                                        NEUTRAL_CONTROLS if mode == "autoregressive" else {}, new)
-                    for mode in ("diffusion", "autoregressive")}
+                                        {} if mode == "diffusion" else NEUTRAL_CONTROLS, new)
+                    for mode in ("diffusion", "autoregressive", "self_speculative")}
         ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]
         agreement = float(np.mean([a == b for a, b in zip(ar["sequences"], tf["sequences"])]))
+        speculative = timings["clover_self_speculative"]["last"]
+        lossless = float(np.mean([a == b for a, b in zip(speculative["sequences"], ar["sequences"])]))
         speed = {name: value["tokens_per_s"] for name, value in results.items()}
         emit({
             "benchmark": "decoding", "quick": args.quick, "checkpoint": path if path.startswith(REPO_ROOT) else
@@ -220,8 +226,11 @@ def main(argv=None) -> None:
                 "diffusion_over_transformers_tokens_per_s": ratio(speed["clover_diffusion"], speed["transformers"]),
                 "clover_autoregressive_over_transformers_tokens_per_s": ratio(speed["clover_autoregressive"],
                                                                               speed["transformers"]),
+                "self_speculative_over_clover_autoregressive_tokens_per_s": ratio(speed["clover_self_speculative"],
+                                                                                  speed["clover_autoregressive"]),
             },
             "clover_autoregressive_equals_transformers_fraction": agreement,
+            "self_speculative_equals_clover_autoregressive_fraction": lossless,
             "host_overhead_per_call": overhead,
             "checks": [
                 check("bundled model: diffusion / clover autoregressive tokens/s",
@@ -230,6 +239,11 @@ def main(argv=None) -> None:
                       note="the quality gate of the bundled model"),
                 check("host time per one-prompt generate call outside the compiled loop, ms (diffusion)",
                       overhead["diffusion"]["median_ms"], 1.0, False),
+                check("bundled model: self-speculative tokens/s is reported", speed["clover_self_speculative"], 0.0,
+                      True),
+                check("bundled model: self-speculative tokens == clover autoregressive tokens (fraction of prompts)",
+                      lossless, 1.0, True, note="lossless: greedy self-speculative decoding emits the autoregressive "
+                                                "tokens"),
             ] if score else [],
             "notes": notes, "jax_devices": [str(d) for d in jax.devices()], "machine": machine(),
         })

@@ -91,20 +91,31 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
     ratios = j["ratios"]
     lines += table(["ratio", "value"], [[k, f(v)] for k, v in ratios.items()]
                    + [["clover autoregressive tokens == transformers tokens (fraction of prompts)",
-                       f(j["clover_autoregressive_equals_transformers_fraction"])]])
+                       f(j["clover_autoregressive_equals_transformers_fraction"])]]
+                   + ([["self-speculative tokens == clover autoregressive tokens (fraction of prompts)",
+                        f(j["self_speculative_equals_clover_autoregressive_fraction"])]]
+                      if "self_speculative_equals_clover_autoregressive_fraction" in j else []))
     overhead = j.get("host_overhead_per_call")
     if overhead:
         lines += [f"Host time per one-prompt `generate` call outside the compiled loop: diffusion "
                   f"{f(overhead['diffusion']['median_ms'])} ms, autoregressive {f(overhead['autoregressive']['median_ms'])} "
                   f"ms (the compiled calls take {f(overhead['diffusion']['compiled_call_median_ms'])} and "
-                  f"{f(overhead['autoregressive']['compiled_call_median_ms'])} ms).", ""]
+                  f"{f(overhead['autoregressive']['compiled_call_median_ms'])} ms)"
+                  + (f"; self-speculative {f(overhead['self_speculative']['median_ms'])} ms (compiled call "
+                     f"{f(overhead['self_speculative']['compiled_call_median_ms'])} ms)"
+                     if "self_speculative" in overhead else "") + ".", ""]
     summary = [["decoding", "diffusion / clover AR tokens/s", f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
                ["decoding", "diffusion / transformers tokens/s", f(ratios["diffusion_over_transformers_tokens_per_s"])],
                ["decoding", "clover AR / transformers tokens/s",
                 f(ratios["clover_autoregressive_over_transformers_tokens_per_s"])],
                ["decoding", "diffusion tokens per forward", f(r["clover_diffusion"]["tokens_per_forward"])]]
+    if "clover_self_speculative" in r:
+        summary += [["decoding", "self-speculative / clover AR tokens/s",
+                     f(ratios.get("self_speculative_over_clover_autoregressive_tokens_per_s"))],
+                    ["decoding", "self-speculative tokens per forward",
+                     f(r["clover_self_speculative"]["tokens_per_forward"])]]
     if r["clover_diffusion"]["accuracy"] is not None:
-        summary.append(["decoding", "accuracy diffusion / clover AR / transformers",
+        summary.append(["decoding", "accuracy " + " / ".join(m.replace("clover_", "").replace("_", "-") for m in r),
                         " / ".join(f(r[m]["accuracy"]) for m in r)])
     return lines, summary
 
@@ -266,7 +277,8 @@ RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "exp
           "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
           "roofline": render_roofline}
-TITLES = {"decoding": "Decoding: diffusion vs autoregressive vs transformers (`benchmarks/decoding.py`)",
+TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive vs transformers "
+                      "(`benchmarks/decoding.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
           "expert_scaling": "8 vs 64 experts, same model otherwise (`benchmarks/expert_scaling.py`)",
           "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",

@@ -2,6 +2,7 @@
 
     clover-jax generate "sort 3 1 4 1 5"                     # the bundled tiny model (it sorts digits)
     clover-jax generate --show-steps --schedule fixed_k "sort 9 2 7 4"
+    clover-jax generate --mode self_speculative --show-steps "sort 9 2 7 4"   # drafts and accepted runs
     clover-jax generate --model org/name --revision main "What is diffusion?"   # a Hub id
     clover-jax generate --model DIR --dtype bfloat16 --json "What is diffusion?"
     clover-jax info DIR
@@ -37,6 +38,7 @@ BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "tiny-clover"  # c
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 FALLBACK_MAX_NEW_TOKENS = 256  # when neither the flags nor generation_config.json set max_new_tokens
 MASK_GLYPH = "░"
+REJECTED_MARK = "¦"  # --show-steps, self-speculative: the drafts after it were rejected
 DTYPES = ("float32", "bfloat16", "float16")
 
 # One line of help per GenerationConfig field; a field missing here still gets a flag.
@@ -195,9 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
 
     gen = commands.add_parser("generate", help="generate a response to a prompt",
-                              description="Generate a response with block diffusion (spec §4) or "
-                                          "autoregressively. The prompt goes through the checkpoint's chat "
-                                          "template unless --raw.")
+                              description="Generate a response with block diffusion (spec §4), "
+                                          "autoregressively, or self-speculatively (spec §8). The prompt goes "
+                                          "through the checkpoint's chat template unless --raw.")
     gen.add_argument("prompt", nargs="?", help="the user message ('-' or absent: read standard input)")
     gen.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
                      help=f"checkpoint directory or Hugging Face Hub id (default: the bundled tiny model, "
@@ -211,13 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="render the chat template with enable_thinking=False")
     gen.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
     gen.add_argument("--raw", action="store_true", help="encode the prompt as it is, without the chat template")
-    gen.add_argument("--mode", choices=("diffusion", "autoregressive"), default="diffusion",
-                     help="block diffusion (default) or token by token through the causal backbone")
+    gen.add_argument("--mode", choices=("diffusion", "autoregressive", "self_speculative"), default="diffusion",
+                     help="block diffusion (default); token by token through the causal backbone; or "
+                          "self_speculative: a denoising pass drafts --block-size tokens, a causal pass verifies "
+                          "them (greedy, the autoregressive output)")
     gen.add_argument("--seed", type=_int, default=0, help="PRNG seed for --do-sample (default 0)")
     gen.add_argument("--dtype", choices=DTYPES, default=None,
                      help="parameter and activation dtype (default: the checkpoint's)")
     gen.add_argument("--show-steps", action="store_true",
-                     help=f"show each block being denoised step by step ({MASK_GLYPH} = still masked)")
+                     help=f"show each block being denoised step by step ({MASK_GLYPH} = still masked); with "
+                          f"--mode self_speculative, each round's draft: accepted tokens, [the causal pass's own "
+                          f"token], {REJECTED_MARK} then the rejected drafts")
     gen.add_argument("--step-delay", type=_float, default=None, metavar="SECONDS",
                      help="pause between --show-steps frames (default: 0.1 on a terminal, 0 otherwise)")
     gen.add_argument("--json", action="store_true",
@@ -335,7 +341,8 @@ class ExitOnInterrupt:
 def run_generate(args: argparse.Namespace) -> int:
     overrides = generation_overrides(args)
     if args.show_steps and args.mode == "autoregressive":
-        raise UsageError("--show-steps shows diffusion blocks; it does not apply to --mode autoregressive")
+        raise UsageError("--show-steps shows diffusion blocks or self-speculative rounds; it does not apply to "
+                         "--mode autoregressive")
     prompt = read_prompt(args.prompt)
     system = _utf8(args.system, "--system") if args.system is not None else None
     status = _Status(quiet=args.quiet or args.json)
@@ -372,7 +379,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     key = jax.random.key(args.seed)
     options = dict(generation_config=generation, key=key, mode=args.mode)
-    if args.mode == "diffusion":
+    if args.mode != "autoregressive":
         options["return_trajectory"] = args.show_steps or args.json
     stream = None
     if not args.json and not args.show_steps and args.mode == "diffusion":
@@ -391,8 +398,11 @@ def run_generate(args: argparse.Namespace) -> int:
     frames_out = sys.stderr if args.json else sys.stdout
     if args.show_steps:
         delay = args.step_delay if args.step_delay is not None else (0.1 if frames_out.isatty() else 0.0)
-        render_steps(tokenizer, prompt_ids, response, output.trajectory[0]["step"], output.steps_per_block[0],
-                     generation, frames_out, delay)
+        if args.mode == "self_speculative":
+            render_rounds(tokenizer, response, output.trajectory[0], generation, frames_out, delay)
+        else:
+            render_steps(tokenizer, prompt_ids, response, output.trajectory[0]["step"], output.steps_per_block[0],
+                         generation, frames_out, delay)
     metrics = _metrics(output, load_seconds, args.warmup)
     eos = set(generation.eos_token_id or config.eos_token_id)
     finished = "eos" if response and response[-1] in eos else "max_new_tokens"
@@ -588,6 +598,33 @@ def render_steps(tokenizer, prompt_ids: Sequence[int], response: Sequence[int], 
                 time.sleep(delay)
 
 
+def render_rounds(tokenizer, response: Sequence[int], trajectory: dict, generation, out, delay: float = 0.0) -> None:
+    """Replay self-speculative decoding round by round from the record kept inside the jitted loop.
+
+    One line per round: the drafts accepted (green on a terminal), the causal pass's own token in
+    brackets (where the draft first differed, or after a fully accepted draft), then
+    REJECTED_MARK and the drafts rejected (dim). A round cut by EOS or max_new_tokens shows what it
+    emitted and nothing rejected.
+    """
+    color = out.isatty() and os.environ.get("NO_COLOR") is None
+    green, own, dim, reset = ("\x1b[1;32m", "\x1b[1;33m", "\x1b[2m", "\x1b[0m") if color else ("", "", "", "")
+    text = lambda ids: "".join(_visible(tokenizer.decode([token])) for token in ids)
+    rounds = list(zip(trajectory["drafts"], trajectory["accepted"], trajectory["emitted"]))
+    width, position = len(str(len(rounds))), 0
+    for number, (drafts, accepted, emitted) in enumerate(rounds, 1):
+        tokens = response[position:position + emitted]
+        position += emitted
+        line = f"{green}{text(tokens[:accepted])}{reset}"
+        if emitted > accepted:
+            line += f"{own}[{text(tokens[accepted:])}]{reset}"
+            if accepted < len(drafts):
+                line += f"{dim}{REJECTED_MARK}{text(drafts[accepted:])}{reset}"
+        print(f"round {number:>{width}}/{len(rounds)} │{line}│ {accepted}/{generation.block_size} drafts accepted, "
+              f"{emitted} emitted", file=out, flush=True)
+        if delay:
+            time.sleep(delay)
+
+
 def _visible(piece: str) -> str:
     return piece.replace("\n", "⏎").replace("\r", "␍").replace("\t", "⇥") or "∅"
 
@@ -619,7 +656,7 @@ def _metrics(output, load_seconds: float, warm: bool) -> dict[str, Any]:
 def _summary(metrics: dict, tokens: int, finished: str, mode: str) -> str:
     steps = metrics["steps_per_block"]
     shown = steps if len(steps) <= 12 else steps[:12] + ["..."]
-    blocks = f"steps per block {shown}, " if mode == "diffusion" else ""
+    blocks = {"diffusion": f"steps per block {shown}, ", "self_speculative": f"{len(steps)} rounds, "}.get(mode, "")
     compile_note = ", compile included" if metrics["includes_compile"] else ""
     return (f"-- {tokens} tokens (stopped by {finished}), {metrics['nfe']} forwards, "
             f"{metrics['tokens_per_forward']:.2f} tokens/forward, {blocks}"

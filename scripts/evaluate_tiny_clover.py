@@ -1,23 +1,16 @@
 """Score the bundled tiny Clover on its 200 held-out prompts; print JSON, optionally write the table.
 
-    python scripts/evaluate_tiny_clover.py                        # diffusion and autoregressive, shipped config
-    python scripts/evaluate_tiny_clover.py --grid                 # + thresholds x block sizes
+    python scripts/evaluate_tiny_clover.py            # diffusion, autoregressive, self-speculative; shipped config
+    python scripts/evaluate_tiny_clover.py --grid     # + thresholds x block sizes
     python scripts/evaluate_tiny_clover.py --grid --write-table docs/tiny_model.md
-    python scripts/evaluate_tiny_clover.py --self-speculative-estimate
 
 With --write-table, the markdown table of exact match and tokens per forward replaces the text
 between `<!-- eval-table:start -->` and `<!-- eval-table:end -->` in the given file.
 
---self-speculative-estimate is a SIMULATION, not a decoder: it estimates what lossless
-self-speculative decoding (one denoising pass drafts a block, one causal pass verifies it)
-would achieve, from the model's real draft passes and its real autoregressive output. Per
-round, the draft is the greedy choice (after the generation config's `process` controls)
-of one denoising pass over B positions after the committed tokens (in the first round, the
-prompt tail and masks, laid out as `generate` lays out the first block); the verify pass is
-not run: its greedy tokens are, by definition, the autoregressive ones, so a round accepts
-the longest run of draft tokens equal to the autoregressive continuation, plus one. Forwards
-are 2 per round, plus the prefill when the prompt has whole blocks (as `generate` counts
-NFE); tokens per forward = response tokens / forwards.
+Self-speculative decoding is `generate(mode="self_speculative")` (the shipped block size drafts
+each round); besides its score, the report says whether its output equals the autoregressive
+output on every prompt (it is lossless) and what its rounds did (drafts accepted, tokens
+emitted per round).
 """
 
 from __future__ import annotations
@@ -60,76 +53,24 @@ def write_table(path: str, table: str) -> None:
         handle.write(text)
 
 
-def self_speculative_estimate(model, prompts: list[list[int]], config, autoregressive: list[list[int]]) -> dict:
-    """Simulated self-speculative decoding (see the module docstring) of `prompts`, whose greedy
-    autoregressive responses are `autoregressive`."""
-    import jax
-    import jax.numpy as jnp
+def self_speculative_rounds(model, prompts: list[list[int]], autoregressive: list[list[int]]) -> dict:
+    """What self-speculative decoding's rounds did on `prompts` (greedy, the shipped config), and
+    whether its output equals the greedy autoregressive output `autoregressive` prompt by prompt."""
     import numpy as np
 
-    from decoding.controls import choose, process
-    from decoding.generation import _controls, _prompt_thinking, _token_ids  # the controls generate uses
+    from decoding import generate
 
-    size, mask = config.block_size, config.mask_token_id
-    controls, ids = _controls(config), _token_ids(model, config)
-    vocab = model.config.vocab_size
-    draft_tokens = jax.jit(jax.vmap(lambda logits, counts, index, thinking: choose(
-        process(logits, counts, index, thinking, controls, ids), controls, False, None).token))
-    batch = len(prompts)
-    # One width for every round, so the prefill and the draft pass compile once.
-    width = max(len(p) for p in prompts) + config.max_new_tokens
-    tails = [len(p) % size for p in prompts]
-    done = np.zeros(batch, np.int64)  # response tokens committed so far
-    forwards = np.array([len(p) - t > 0 for p, t in zip(prompts, tails)], np.int64)
-    rounds, accepted_runs = np.zeros(batch, np.int64), []
-    first_round = True
-    while any(done[i] < len(autoregressive[i]) for i in range(batch)):
-        prefix = np.zeros((batch, width), np.int32)  # left padding: any id, masked by `start`
-        start = np.zeros(batch, np.int32)
-        blocks = np.full((batch, size), mask, np.int32)
-        index = np.zeros((batch, size), np.int32)  # response index t of each block row
-        counts = np.zeros((batch, vocab), np.int32)
-        thinking = np.zeros(batch, bool)
-        for i, prompt in enumerate(prompts):
-            committed = autoregressive[i][:done[i]]
-            if first_round:
-                known = prompt[:len(prompt) - tails[i]]
-                blocks[i, :tails[i]] = prompt[len(prompt) - tails[i]:]
-                index[i] = np.arange(size) - tails[i]
-            else:
-                known = prompt + committed
-                index[i] = done[i] + np.arange(size)
-            start[i] = width - len(known)
-            prefix[i, start[i]:] = known
-            np.add.at(counts[i], committed, 1)
-            thinking[i] = _prompt_thinking(prompt + committed, config)
-        state = model.init_state(batch, width + size, start)
-        _, state = model.extend(state, prefix, logits="none")
-        drafts = np.asarray(draft_tokens(model.denoise(state, blocks).logits, jnp.asarray(counts),
-                                         jnp.asarray(index), jnp.asarray(thinking)))
-        for i in range(batch):
-            target = autoregressive[i][done[i]:]
-            if not target:
-                continue
-            drafted = drafts[i, tails[i] if first_round else 0:]
-            run = 0
-            while run < min(len(drafted), len(target)) and drafted[run] == target[run]:
-                run += 1
-            accepted = min(run + 1, len(target))
-            accepted_runs.append(accepted)
-            done[i] += accepted
-            forwards[i] += 2
-            rounds[i] += 1
-        first_round = False
-    tokens = np.array([len(a) for a in autoregressive])
+    out = generate(model, prompts, mode="self_speculative", return_trajectory=True)
+    rounds = [len(t["accepted"]) for t in out.trajectory]
+    accepted = [a for t in out.trajectory for a in t["accepted"]]
+    emitted = [e for t in out.trajectory for e in t["emitted"]]
     return {
-        "simulation": "self-speculative estimate: real draft passes, verify = autoregressive greedy tokens",
-        "block_size": size,
-        "tokens_per_forward": float(np.mean(tokens / np.maximum(forwards, 1))),
-        "tokens_per_forward_pooled": float(tokens.sum() / max(forwards.sum(), 1)),
-        "mean_forwards": float(np.mean(forwards)),
+        "equals_autoregressive": float(np.mean([a == b for a, b in zip(out.sequences, autoregressive)])),
         "mean_rounds": float(np.mean(rounds)),
-        "mean_accepted_per_round": float(np.mean(accepted_runs)),
+        "mean_drafts_accepted_per_round": float(np.mean(accepted)),
+        "mean_tokens_emitted_per_round": float(np.mean(emitted)),
+        "whole_draft_accepted_fraction": float(np.mean([a == len(t["drafts"][0]) for t in out.trajectory
+                                                        for a in t["accepted"]])),
     }
 
 
@@ -142,8 +83,6 @@ def main(argv=None) -> int:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9, 0.95, 0.99])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--write-table", metavar="FILE", help="replace the table between the markers in FILE")
-    parser.add_argument("--self-speculative-estimate", action="store_true",
-                        help="simulate self-speculative decoding (a labelled estimate, see above)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -165,13 +104,11 @@ def main(argv=None) -> int:
               "generation_config": {"block_size": shipped.block_size, "threshold": shipped.threshold,
                                     "max_new_tokens": shipped.max_new_tokens},
               "shipped": evaluate(model, tokenizer, task, problems, thinking),
-              "autoregressive": evaluate(model, tokenizer, task, problems, thinking, mode="autoregressive")}
-    if args.self_speculative_estimate:
-        prompts = [task.encode(tokenizer, problem, thinking).prompt for problem in problems]
-        autoregressive = generate(model, prompts, mode="autoregressive").sequences
-        report["self_speculative_estimate"] = {
-            "exact_match": report["autoregressive"]["answer_match"],  # lossless: the autoregressive output
-            **self_speculative_estimate(model, prompts, shipped, autoregressive)}
+              "autoregressive": evaluate(model, tokenizer, task, problems, thinking, mode="autoregressive"),
+              "self_speculative": evaluate(model, tokenizer, task, problems, thinking, mode="self_speculative")}
+    prompts = [task.encode(tokenizer, problem, thinking).prompt for problem in problems]
+    autoregressive = generate(model, prompts, mode="autoregressive").sequences
+    report["self_speculative"].update(self_speculative_rounds(model, prompts, autoregressive))
     if args.grid:
         report["grid"] = []
         for size in args.block_sizes:
