@@ -1,18 +1,18 @@
 """Roofline on paper for Clover-35B-A3B: bytes and FLOPs of one denoising step, and the bound on
 tokens/s that follows. Pure arithmetic from the config below; nothing is timed.
 
-Model (spec preamble and §1, model card): 40 layers, 3 Gated DeltaNet : 1 full attention
+Model (the model card, and docs/design.md §1): 40 layers, 3 Gated DeltaNet : 1 full attention
 (30 GDN + 10 attention), hidden 2048, 256 routed experts, top-8, expert intermediate 512, one
 gated shared expert (intermediate 512), GDN 16 key heads / 32 value heads of 128, conv kernel 4,
 attention 16 query / 2 K/V heads of 256 with an output gate (q_proj gives 2 × heads × 256),
-untied embeddings. The vocabulary (248,320) is Qwen3.5/3.6's `vocab_size`; the spec does not
-state it. Weights bf16 (2 bytes), K/V cache bf16, GDN recurrent state float32 (spec "Dtypes").
+untied embeddings. The vocabulary (248,320) is Qwen3.5/3.6's `vocab_size`; the model card does not
+state it. Weights bf16 (2 bytes), K/V cache bf16, GDN recurrent state float32 (the dtypes the model card states).
 
 One denoising step of a block of B tokens for each of `batch` sequences reads, at least once:
   * every non-expert weight (attention / GDN projections, norms, router, shared experts, the LM
     head; only the `batch·B` embedding rows);
   * the weights of every *distinct* routed expert the step uses, per layer — the quantity the
-    coreset (spec §5) cuts;
+    coreset (docs/design.md §5) cuts;
   * each sequence's K/V cache of the prefix (10 attention layers) and GDN state (30 layers).
 Writes (logits, activations) are small and left out. FLOPs: 2 × active parameters per token
 (dense, shared, 8 routed experts, the LM head) + attention scores / values over the prefix + the

@@ -4,7 +4,7 @@
 the next `head_dim` the output gate. q and k pass a zero-centred RMSNorm over `head_dim`, then
 partial RoPE; the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
 
-One pass handles `num_causal` causal rows followed by an optional block (spec §3):
+One pass handles `num_causal` causal rows followed by an optional block (docs/design.md §3):
   * causal rows append their K/V to the cache and attend causally to it (at the batch's fill, or
     at each sequence's own when `length` is per sequence: rolling back is setting it, since rows
     past a sequence's fill are masked and the next pass overwrites them);

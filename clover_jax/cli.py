@@ -12,7 +12,7 @@ clover-jax reads are downloaded, into the Hub cache; `HF_HUB_OFFLINE=1` works fr
 Every field of `decoding.GenerationConfig` is a flag of `generate` (`--block-size`,
 `--threshold`, `--presence-penalty`, ...; booleans as `--do-sample` / `--no-do-sample`), built
 from the dataclass so that none is forgotten; a flag left out keeps the checkpoint's
-`generation_config.json` value (spec §4). Errors are one line on stderr with a non-zero exit
+`generation_config.json` value. Errors are one line on stderr with a non-zero exit
 status (2 for bad flags or input, 1 for everything else), never a traceback. Heavy imports (jax,
 the model) happen after the arguments, the model's config and tokenizer and the prompt have been
 checked. Ctrl-C at any moment — importing, downloading, loading, compiling, decoding, streaming —
@@ -64,7 +64,7 @@ GENERATION_HELP = {
     "mask_token_id": "the mask token id (default: the checkpoint's)",
     "think_start_token_id": "id of <think> (default: from the tokenizer)",
     "think_end_token_id": "id of </think> (default: from the tokenizer)",
-    "block_alignment": "'absolute' (blocks at multiples of B, spec §4) or 'prompt' (blocks start after the prompt)",
+    "block_alignment": "'absolute' (blocks at multiples of B) or 'prompt' (blocks start after the prompt)",
     "schedule": "which positions are decided per denoising step",
     "max_steps_per_block": "denoising steps after which a block's remaining masks are filled (default: B)",
     "tokens_per_step": "fixed_k schedule: positions filled per step",
@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
 
     gen = commands.add_parser("generate", help="generate a response to a prompt",
-                              description="Generate a response with block diffusion (spec §4), "
-                                          "autoregressively, or self-speculatively (spec §8). The prompt goes "
+                              description="Generate a response with block diffusion, "
+                                          "autoregressively, or self-speculatively. The prompt goes "
                                           "through the checkpoint's chat template unless --raw.")
     gen.add_argument("prompt", nargs="?", help="the user message ('-' or absent: read standard input)")
     gen.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
@@ -450,6 +450,9 @@ def resolve_generation_config(path: Path, config, overrides: dict[str, Any]):
                if i is not None and not 0 <= i < config.vocab_size]
         if bad:
             raise UsageError(f"{flag_name(name)}: {name} {bad} is outside the vocabulary [0, {config.vocab_size})")
+    if generation.top_k > config.vocab_size:
+        raise UsageError(f"{flag_name('top_k')}: top_k {generation.top_k} is larger than the vocabulary "
+                         f"({config.vocab_size}); 0 turns top-k off")
     return generation
 
 

@@ -1,4 +1,4 @@
-"""`CloverModel`: the user-facing handle on a loaded checkpoint (spec §6).
+"""`CloverModel`: the user-facing handle on a loaded checkpoint (docs/design.md §6).
 
 The methods validate their inputs on the host, then call one pure jitted function,
 `run_pass(module, params, input_ids, state, ...)`, whose compiled form depends only on the
@@ -73,7 +73,7 @@ class CloverModel:
                  chunk_size: int = DEFAULT_CHUNK, plan: MeshPlan | None = None, impl: str = "auto"):
         compilation_cache.enable()
         self.config = config
-        self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (spec §1: 2048)
+        self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (docs/design.md §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
         self.dtype = jnp.dtype(dtype)
         self.plan = plan  # mesh and sharding rules; None: one device
@@ -126,7 +126,7 @@ class CloverModel:
             quantisation while loading (`clover_jax.quantization`).
         name_map: checkpoint tensor name -> expected name, for checkpoints whose names differ.
         strict: refuse a checkpoint that lacks the Clover block-mode tensors instead of using
-            the spec §2 defaults for them.
+            docs/design.md §2 defaults for them.
         chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
         check_finite: refuse weights holding NaN or Inf (`weights.CheckpointError` naming the
             tensor), checked on each tensor as it is read; False skips the check.
@@ -162,7 +162,7 @@ class CloverModel:
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
-        """Causal logits (spec §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
+        """Causal logits (docs/design.md §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
         ids = self.check_token_ids(input_ids, "input_ids")
         state = self.init_state(ids.shape[0], ids.shape[1])
         return run_causal(self.module, self.run_params, self.place_batch(ids), state, self.chunk_size, "all")[0]
@@ -195,7 +195,7 @@ class CloverModel:
     # ------------------------------------------------------------------ block mode
     def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,
                 coreset_top_p: float | None = None) -> BlockLogits:
-        """Denoising forward of a block after the prefix in `state` (spec §3, §5); the state is unchanged.
+        """Denoising forward of a block after the prefix in `state` (docs/design.md §3, §5); the state is unchanged.
 
         block_ids: int [batch, block], may hold `mask_token_id`. coreset / coreset_top_p override
         the config's `moe_block_coreset_enabled` / `moe_block_coreset_top_p` for this call.
@@ -222,7 +222,7 @@ class CloverModel:
 
     def denoise_logits(self, prefix_ids, block_ids, coreset: bool | None = None,
                        coreset_top_p: float | None = None) -> jax.Array:
-        """Logits of a block after a causal prefix (spec §6): [b, P], [b, B] -> float32 [b, B, V].
+        """Logits of a block after a causal prefix (docs/design.md §6): [b, P], [b, B] -> float32 [b, B, V].
 
         The prefix may be empty (P = 0).
         """

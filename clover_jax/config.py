@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass parsed from the three accepted `config.json` shapes.
 
-Accepted `model_type`s (spec §2):
+Accepted `model_type`s (docs/design.md §2):
   * ``clover_moe``       — flat, a Clover checkpoint (adds mask token and coreset fields);
   * ``qwen3_5_moe_text`` — flat, a text-only Qwen3.5/3.6-MoE checkpoint;
   * ``qwen3_5_moe``      — the multimodal wrapper; the text fields live under ``text_config``.
@@ -78,7 +78,7 @@ class CloverConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     eos_token_id: tuple[int, ...] = ()
-    # Clover additions (spec §2); absent for base Qwen checkpoints.
+    # Clover additions (docs/design.md §2); absent for base Qwen checkpoints.
     mask_token_id: int | None = None
     moe_block_coreset_enabled: bool = True
     moe_block_coreset_top_p: float = 0.9

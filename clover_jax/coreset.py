@@ -1,4 +1,4 @@
-"""Block expert selection ("coreset", spec §5) for denoising forwards.
+"""Block expert selection ("coreset", docs/design.md §5) for denoising forwards.
 
 Per sequence and MoE layer, over the B block tokens:
   * each token's top-k candidates (e, p_e) under p = softmax(router logits);

@@ -1,13 +1,13 @@
 """Gated DeltaNet token mixer (transformers' `Qwen3_5MoeGatedDeltaNet`) with Clover's block mode.
 
-Causal rows (prefill, commits, autoregressive steps), spec §1:
+Causal rows (prefill, commits, autoregressive steps), docs/design.md §1:
 
     in_proj_qkv -> causal depthwise conv (kernel K, no bias) -> SiLU -> q | k | v
     beta = sigmoid(in_proj_b x);  g = -exp(A_log) * softplus(in_proj_a x + dt_bias)
     q, k L2-normalised, q scaled by key_dim ** -0.5; gated delta rule (float32 state)
     gated RMSNorm with z = in_proj_z x, then out_proj
 
-Block rows (the denoising forward), spec §3, read the state without changing it:
+Block rows (the denoising forward), docs/design.md §3, read the state without changing it:
 
     silu(causal conv over [conv state; block] + right-context conv over the following rows)
     memory readout m_i = Sᵀ (q̂_i / sqrt(dk));  block logits l_ij = exp(block_logit_scale) q̂_i · k̂_j
@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1), (config.conv_dim, kernel), self.dtype)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (heads,), self.dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (heads,), self.dtype)
-        # Clover block-mode parameters, initialised to the spec §2 defaults.
+        # Clover block-mode parameters, initialised to docs/design.md §2 defaults.
         right_weight = self.param("conv1d_right_weight", nn.initializers.zeros, (config.conv_dim, kernel), self.dtype)
         block_logit_scale = self.param("block_logit_scale", nn.initializers.constant(
             math.log(math.sqrt(config.linear_key_head_dim))), (heads,), self.dtype)

@@ -1,4 +1,4 @@
-"""Memory estimate of a request, and a clear error when it cannot fit the device (spec §1).
+"""Memory estimate of a request, and a clear error when it cannot fit the device (docs/design.md §1).
 
 Parameters and state are exact (computed from the same shapes the model allocates); the
 activation term is an upper-bound estimate of the largest temporaries of one causal chunk or

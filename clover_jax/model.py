@@ -19,7 +19,7 @@ block), so no pass copies a whole cache.
 
 One pass runs `num_causal` causal rows, which append to the state (prefill, commit, an
 autoregressive step), followed by block rows that are denoised against the state the causal
-rows leave (spec §3). `num_causal = tokens` is a causal pass, `num_causal = 0` a denoising
+rows leave (docs/design.md §3). `num_causal = tokens` is a causal pass, `num_causal = 0` a denoising
 forward, anything between a fused commit + denoise.
 """
 

@@ -5,7 +5,7 @@ routed experts `down(silu(gate(x)) * up(x))`; a shared expert scaled by
 `sigmoid(shared_expert_gate x)` is added.
 
 Causal rows always route plainly; block rows (a denoising forward) route within the block's
-coreset (spec §5) when it is enabled. All rows then share one grouped expert computation.
+coreset (docs/design.md §5) when it is enabled. All rows then share one grouped expert computation.
 
 On a mesh whose expert axis has more than one device, the routed experts are expert-parallel:
 inside `shard_map` each device runs the pairs routed to its own experts and a `psum` over the

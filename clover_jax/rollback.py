@@ -1,4 +1,4 @@
-"""Rolling a causal pass back to any of its rows, without re-running the model (spec §8).
+"""Rolling a causal pass back to any of its rows, without re-running the model (docs/design.md §8).
 
 Self-speculative decoding appends a drafted block causally to verify it, then keeps only the
 rows it accepted — a different number for each sequence of a batch. A *recording* pass is a

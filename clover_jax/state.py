@@ -1,4 +1,4 @@
-"""The causal prefix held as state (spec §3), and where the rows of a pass sit in it.
+"""The causal prefix held as state (docs/design.md §3), and where the rows of a pass sit in it.
 
 A `ModelState` has a static capacity (the K/V cache length) and a traced fill `length`, so
 one compiled pass serves every prefix length up to the capacity. Sequences of a batch share

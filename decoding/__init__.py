@@ -1,4 +1,4 @@
-"""Decoding: LowConfidence block diffusion (spec §4) and autoregressive mode, in jitted loops."""
+"""Decoding: LowConfidence block diffusion (docs/design.md §4) and autoregressive mode, in jitted loops."""
 
 from decoding import schedules
 from decoding.generation import GenerateOutput, generate

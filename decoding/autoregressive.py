@@ -1,4 +1,4 @@
-"""Autoregressive decoding through the causal backbone (spec §4, `mode="autoregressive"`).
+"""Autoregressive decoding through the causal backbone (docs/design.md §4, `mode="autoregressive"`).
 
 Token by token with the K/V and GDN state, greedy or sampled, with the same `process`
 controls as the block decoder (neutral for base Qwen checkpoints). One jitted while_loop; the

@@ -1,4 +1,4 @@
-"""The LowConfidence block-diffusion decoder of spec §4: jitted loops, and the steps they are made of.
+"""The LowConfidence block-diffusion decoder of docs/design.md §4: jitted loops, and the steps they are made of.
 
 The batch moves in lockstep over blocks aligned across sequences (left padding chosen by
 `decoding.generation`). A block starts with one model call that commits the previous block and
@@ -76,7 +76,7 @@ class Request(NamedTuple):
 
 
 class History(NamedTuple):
-    """Every denoising step of every sequence (spec §7), filled inside the loop when requested.
+    """Every denoising step of every sequence (docs/design.md §7), filled inside the loop when requested.
     S = `LoopSpec.max_steps`; rows past a sequence's `num_steps` are padding."""
 
     block_index: jax.Array       # int32 [b, S]

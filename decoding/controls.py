@@ -1,4 +1,4 @@
-"""`process(ℓ, t)` of spec §4 — repetition, presence/frequency, length and thinking controls,
+"""`process(ℓ, t)` of docs/design.md §4 — repetition, presence/frequency, length and thinking controls,
 the mask ban — and the choice of a token with its confidence (greedy or sampled).
 
 Everything is a pure function of arrays, used per sequence inside the jitted decoding loop.
@@ -48,7 +48,7 @@ def ramp(t: jax.Array, start: jax.Array, window: jax.Array) -> jax.Array:
 
 def process(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thinking_open: jax.Array,
             controls: Controls, ids: TokenIds) -> jax.Array:
-    """Spec §4 steps 1–5 for the rows of one sequence's block.
+    """docs/design.md §4 steps 1–5 for the rows of one sequence's block.
 
     logits: float32 [rows, vocab]; counts: int32 [vocab], response token counts so far;
     response_index: int32 [rows], t of each row; thinking_open: bool []

@@ -1,6 +1,6 @@
 """`generate`: validation, batch layout and bucketing on the host; one jitted loop on the device.
 
-Layout (spec §4). Absolute alignment: sequence i's first `floor(P_i/B)` prompt blocks are the
+Layout (docs/design.md §4). Absolute alignment: sequence i's first `floor(P_i/B)` prompt blocks are the
 causal prefix and its prompt tail opens the first decoded block; sequences are left-padded by
 whole blocks so that their first decoded blocks line up. Prompt alignment: every prompt is
 the whole prefix, left-padded so that all prompts end at the same cache row.
@@ -85,12 +85,12 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
              return_history: bool = False, on_block: BlockListener | None = None, streamer: Any = None,
              on_step: Callable[[dict], None] | None = None, progress: bool = False,
              **overrides: Any) -> GenerateOutput:
-    """Decode a response to each prompt (spec §4, §6, §7).
+    """Decode a response to each prompt (docs/design.md §4, §6, §7).
 
     prompts: token ids per prompt; generation_config: defaults to the checkpoint's
     `generation_config.json`; overrides: GenerationConfig fields; key: PRNG key for sampling
     (prompt i uses `jax.random.fold_in(key, i)`); mode: "diffusion", "autoregressive" or
-    "self_speculative" (spec §8: a denoising pass drafts `block_size` tokens, a causal pass verifies
+    "self_speculative" (docs/design.md §8: a denoising pass drafts `block_size` tokens, a causal pass verifies
     them; greedy, and its output equals "autoregressive"'s; `return_trajectory=True` gives, per
     prompt, each round's drafts, accepted drafts and emitted tokens).
 
@@ -191,6 +191,8 @@ def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[
         value = getattr(config, name)
         if value is not None and not 0 <= value < vocab:
             raise ValueError(f"{name}={value} is outside the vocabulary [0, {vocab})")
+    if config.top_k > vocab:  # transformers would clamp it; a top_k past the vocabulary is a mistake
+        raise ValueError(f"top_k={config.top_k} is larger than the vocabulary ({vocab}); 0 turns top-k off")
     bad_eos = [e for e in config.eos_token_id if not 0 <= e < vocab]
     if bad_eos:
         raise ValueError(f"eos_token_id {bad_eos} outside the vocabulary [0, {vocab})")

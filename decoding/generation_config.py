@@ -1,4 +1,4 @@
-"""`GenerationConfig`: decoding controls read from `generation_config.json` (spec §4).
+"""`GenerationConfig`: decoding controls read from `generation_config.json` (docs/design.md §4).
 
 For `clover_moe` checkpoints a missing field takes the model card's default; for base Qwen
 checkpoints (`qwen3_5_moe*`) a missing control takes the neutral value, as in transformers.
@@ -94,7 +94,7 @@ class GenerationConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def for_model_type(cls, model_type: str, **values: Any) -> "GenerationConfig":
-        """The defaults of spec §4: the model card's for clover_moe, neutral controls for base Qwen."""
+        """The defaults of docs/design.md §4: the model card's for clover_moe, neutral controls for base Qwen."""
         defaults: dict[str, Any] = dict(CLOVER_DEFAULTS)
         if model_type != "clover_moe":
             defaults.update(NEUTRAL_CONTROLS)

@@ -1,4 +1,4 @@
-"""Self-speculative decoding (spec §8, `mode="self_speculative"`): the block-mode pass drafts a
+"""Self-speculative decoding (docs/design.md §8, `mode="self_speculative"`): the block-mode pass drafts a
 block, the causal pass verifies it, and the causal state is rolled back to what was accepted.
 
 Every sequence holds a *pending* token: the latest token emitted (in the first round, the
@@ -7,7 +7,7 @@ prompt's last token), not yet in the state. One round, in lockstep over the batc
 1. **Draft** — one forward: the pending token as a causal row (it is appended to the state; a
    commit fused with a denoising step, as the block decoder fuses them) and B masks as block
    rows right after it. The causal row's logits are the autoregressive logits of the next
-   position; the masked rows' greedy candidates after `process` (spec §4, counts = the response
+   position; the masked rows' greedy candidates after `process` (docs/design.md §4, counts = the response
    so far) are the drafts d_0 … d_{B-1}.
 2. **Verify** — one recording causal pass over the drafts (`clover_jax.rollback`).
 3. **Accept** — c_j, the token autoregressive decoding would emit at draft position j if

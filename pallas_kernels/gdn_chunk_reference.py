@@ -1,4 +1,4 @@
-"""Oracle for `gdn_chunk`: the gated delta rule one token at a time, as written in the spec.
+"""Oracle for `gdn_chunk`: the gated delta rule one token at a time, as the recurrence is written.
 
 Per value head h (reading key head h // (value_heads // key_heads)), with float32 state S:
 

@@ -118,7 +118,7 @@ def rewrite_fused_multimodal(source: str, target: str) -> str:
 
 def add_clover_tensors(source: str, target: str, mask_token_id: int, seed: int = 0) -> str:
     """Copy a backbone checkpoint and give every GDN layer random Clover block-mode tensors
-    (spec §2 names), with a `clover_moe` config."""
+    (docs/design.md §2 names), with a `clover_moe` config."""
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(os.path.join(source, "model.safetensors"))

@@ -1,6 +1,6 @@
-"""A naive, loop-based float64 reference of the spec: §1 causal steps, §3 block mode, §5 coreset.
+"""A naive, loop-based float64 reference of docs/design.md: §1 causal steps, §3 block mode, §5 coreset.
 
-Written line by line from `CLOVER_SPEC.md`, one sequence and one token at a time, with no
+Written line by line from `docs/design.md`, one sequence and one token at a time, with no
 code shared with the implementation under test (only the parameter pytree it reads).
 It also records the smallest margin of every discrete decision it takes (top-k routing
 boundaries and the coreset cut), so tests can check their inputs are far from ties.
@@ -93,7 +93,7 @@ class NaiveClover:
         return sigmoid(mlp["shared_expert_gate"]["weight"] @ x)[0] * (s["down_proj"]["weight"] @ inner)
 
     def moe(self, mlp, rows, coreset_top_p=None):
-        """rows: list of [hidden]; plain top-k, or within the block's coreset (spec §5)."""
+        """rows: list of [hidden]; plain top-k, or within the block's coreset (docs/design.md §5)."""
         k = self.c.num_experts_per_tok
         probabilities = [softmax(mlp["gate"] @ x) for x in rows]
         allowed = None

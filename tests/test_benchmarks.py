@@ -27,7 +27,7 @@ def test_roofline_parameter_counts_match_the_model_card():
     counts = parameter_counts()
     assert abs(counts["total"] / 1e9 - 34.7) < 0.2  # model card: 34.7B parameters
     assert abs(counts["active_per_token"] / 1e9 - 3.0) < 0.15  # "~3B active"
-    # BF16 weights ~69 GB (spec preamble): every parameter at 2 bytes.
+    # BF16 weights ~69 GB (the model card): every parameter at 2 bytes.
     assert abs(2 * counts["total"] / 1e9 - 69.3) < 0.5
     fewer, more = step_cost(32, 1, 4096, 32.0), step_cost(32, 1, 4096, 163.0)
     assert fewer["bytes"] < more["bytes"] and fewer["flops"] == more["flops"]

@@ -122,6 +122,7 @@ def test_generate_autoregressive_without_thinking(checkpoint):
     (["generate", "--do-sample", "--temperature", "0", "hi"], 2, "--temperature: temperature must be > 0"),
     (["generate", "--eos-token-id", "100000", "-n", "4", "hi"], 2, "--eos-token-id: eos_token_id [100000] is outside"),
     (["generate", "-n", "4", "word " * 600], 1, "exceed the model's context of 512 tokens"),
+    (["generate", "--top-k", "100000", "-n", "4", "hi"], 2, "--top-k: top_k 100000 is larger than the vocabulary"),
 ])
 def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, message):
     if "--model" not in args and "--revision" not in args:

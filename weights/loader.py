@@ -58,7 +58,7 @@ def load_params(
 
     `name_map` renames checkpoint tensors (checkpoint name -> canonical name, see `name_table`).
     `sharding_for(path, shape)` gives each parameter's sharding; default: the default device.
-    Clover block-mode tensors that are absent take the spec §2 defaults (logged), unless `strict`.
+    Clover block-mode tensors that are absent take docs/design.md §2 defaults (logged), unless `strict`.
     `quantize` ("int8", "int4", a `QuantSpec`): quantise the routed experts (and with `+dense` the
     dense projections) as each parameter is read, so the float model is never held whole.
     `check_finite`: refuse a tensor holding NaN or Inf (CheckpointError naming it), checked on each
@@ -72,7 +72,7 @@ def load_params(
         sources, skipped = _match_tensors(files, config, placements, dict(name_map or {}), strict)
         defaulted = [name for name in placements if name not in sources]
         if defaulted:
-            logger.info("%d Clover block-mode tensors are absent from %s; using the spec §2 defaults "
+            logger.info("%d Clover block-mode tensors are absent from %s; using the defaults of docs/design.md §2 "
                         "(conv1d_right 0, block_logit_scale ln(sqrt(key_head_dim)), memory_logit_bias 0, "
                         "block_size_calibration 0)", len(defaulted), os.fspath(directory))
         _check_shapes_and_dtypes(files, placements, sources)

@@ -57,7 +57,7 @@ LINEAR_ATTENTION_LAYER = {
     "linear_attn.norm.weight": (("linear_attn", "norm", "weight"), COPY),
     "linear_attn.out_proj.weight": (("linear_attn", "out_proj", "weight"), COPY),
 }
-# Clover block-mode tensors of GDN layers (spec §2): optional, with the defaults `default(config)`.
+# Clover block-mode tensors of GDN layers (docs/design.md §2): optional, with the defaults `default(config)`.
 CLOVER_GDN_LAYER = {
     "linear_attn.conv1d_right.weight": (("linear_attn", "conv1d_right_weight"), SQUEEZE_CHANNEL, lambda c: 0.0),
     "linear_attn.block_logit_scale": (("linear_attn", "block_logit_scale"), COPY,

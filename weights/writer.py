@@ -5,8 +5,8 @@ table the loader reads — and writes each canonical tensor `params[path][index]
 canonical name: the text-only `model.` prefix, routed experts one per expert
 (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, as `save_pretrained` writes them), the
 conv weights with their `[channels, 1, kernel]` shape, and for `clover_moe` configs the Clover
-block-mode tensors of spec §2 (base Qwen configs get none, and refuse block-mode parameters
-that differ from the spec §2 defaults, which their checkpoint could not hold). Loading the
+block-mode tensors of docs/design.md §2 (base Qwen configs get none, and refuse block-mode parameters
+that differ from docs/design.md §2 defaults, which their checkpoint could not hold). Loading the
 result gives back the same parameters (tested), with `strict=True` for Clover checkpoints.
 
 The whole checkpoint is assembled in host memory before the single `model.safetensors` file is
@@ -93,7 +93,7 @@ def checkpoint_tensors(params: dict, config: CloverConfig, dtype: Any = None) ->
         tensor = host[placement.path][placement.index]
         if placement.default is not None and not clover:  # a Clover block-mode tensor in a base Qwen config
             if np.any(tensor != np.asarray(placement.default, tensor.dtype)):
-                raise ValueError(f"{name} differs from its spec §2 default, but a {config.model_type} checkpoint "
+                raise ValueError(f"{name} differs from its default (docs/design.md §2), but a {config.model_type} checkpoint "
                                  "has no Clover block-mode tensors; save with model_type 'clover_moe'")
             continue
         if placement.transform == SQUEEZE_CHANNEL:

@@ -1,4 +1,4 @@
-"""Training batches laid out the way `decoding.generate` lays out a request (spec §4).
+"""Training batches laid out the way `decoding.generate` lays out a request (docs/design.md §4).
 
 Blocks are aligned to absolute positions: block k of a sequence (prompt + response) covers
 positions [kB, (k+1)B). A training example is one block that generation would decode — one

@@ -2,7 +2,7 @@
 
 Exact match means the response decodes to the reference thinking segment and answer, ending
 with <|im_end|> (`full_match`); `answer_match` only asks for the answer after `</think>`.
-Tokens per forward follow spec §4 (response tokens through the first EOS over the forward
+Tokens per forward follow docs/design.md §4 (response tokens through the first EOS over the forward
 passes of that prompt); reported as the mean over prompts and pooled (all tokens over all
 forward passes).
 """

@@ -5,7 +5,7 @@ For each example, a masking ratio t ~ U(min_ratio, 1) (min_ratio small, default 
 the 1/t weight stays bounded; BD3-LM clips its schedule the same way) masks each maskable
 position of the block independently with probability t, at least one position per example.
 One `CloverTransformer` call runs the clean prefix as causal rows (appending to an empty state
-whose `start` marks the left padding) and then the noisy block as block rows (spec §3), with
+whose `start` marks the left padding) and then the noisy block as block rows (docs/design.md §3), with
 the coreset routing that decoding uses. The loss is the cross-entropy on masked positions,
 weighted 1/t and normalised by the block size:
 

@@ -93,7 +93,7 @@ def generation_config(recipe: Recipe, special: dict[str, int]) -> dict[str, Any]
 
 
 def init_params(config: CloverConfig, seed: int) -> dict:
-    """Random parameters from the modules' initialisers (Clover block-mode ones at the spec §2 defaults).
+    """Random parameters from the modules' initialisers (Clover block-mode ones at docs/design.md §2 defaults).
 
     Run eagerly (about 20 s on a loaded CPU): a jitted `init` rounds a few leaves differently
     in the last bit, and the bundled checkpoint was trained from the eager one.

@@ -1,4 +1,4 @@
-"""Clover block mode (spec §3, §5) against the naive loop reference, and its structural properties."""
+"""Clover block mode (docs/design.md §3, §5) against the naive loop reference, and its structural properties."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def test_three_config_shapes_describe_the_same_backbone(qwen36_checkpoint, fused
     assert backbone(flat) == backbone(wrapped) == backbone(clover)
     assert (flat.model_type, wrapped.model_type, clover.model_type) == ("qwen3_5_moe_text", "qwen3_5_moe", "clover_moe")
     assert clover.mask_token_id == 127 and clover.moe_block_coreset_top_p == 0.8
-    assert flat.mask_token_id is None and flat.moe_block_coreset_enabled  # spec §2 default
+    assert flat.mask_token_id is None and flat.moe_block_coreset_enabled  # docs/design.md §2 default
     assert flat.group_pattern == ("linear_attention",) * 3 + ("full_attention",) and flat.num_groups == 2
     assert flat.rotary_dim == 8 and flat.eos_token_id == (1,)
 

@@ -1,4 +1,4 @@
-"""Coreset selection (spec §5) on random routers."""
+"""Coreset selection (docs/design.md §5) on random routers."""
 
 from __future__ import annotations
 

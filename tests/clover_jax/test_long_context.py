@@ -1,4 +1,4 @@
-"""Long inputs (spec §1): chunked causal passes and blockwise online-softmax attention."""
+"""Long inputs (docs/design.md §1): chunked causal passes and blockwise online-softmax attention."""
 
 from __future__ import annotations
 

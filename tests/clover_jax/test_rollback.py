@@ -1,5 +1,5 @@
 """A recording causal pass rolled back to its first k rows equals a fresh causal pass over the
-prefix and those k rows only (spec §8), for every k, on every layer type."""
+prefix and those k rows only (docs/design.md §8), for every k, on every layer type."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def write_tokenizer(directory, template: str | None = QWEN_STYLE_TEMPLATE, vocab
 
 
 def write_chat_checkpoint(directory, max_position_embeddings: int = 512, seed: int = 0) -> str:
-    """A tiny random Clover (spec §2 layout) with the tokenizer above, a chat template and a
+    """A tiny random Clover (docs/design.md §2 layout) with the tokenizer above, a chat template and a
     generation_config.json; the LM head is scaled so that some positions are confident."""
     from safetensors.numpy import load_file, save_file
 

@@ -1,4 +1,4 @@
-"""A naive Python-loop decoder written from the pseudo-code of spec §4, on `denoise_logits`.
+"""A naive Python-loop decoder written from the pseudo-code of docs/design.md §4, on `denoise_logits`.
 
 One prompt, one denoising step at a time, every control applied per position in float32
 numpy. Conventions shared with the implementation (and documented in the README): the NFE is

@@ -1,4 +1,4 @@
-"""`generate` against the naive reference decoder of spec §4 and transformers, and its contracts."""
+"""`generate` against the naive reference decoder of docs/design.md §4 and transformers, and its contracts."""
 
 from __future__ import annotations
 
@@ -104,6 +104,7 @@ def test_compilation_is_reused_within_buckets(peaked, controls_config):
     ([[1, 2]], {"beam_width": 4}, "unknown generation options \\['beam_width'\\]"),
     ([[1, 2]], {"eos_token_id": ["a"]}, "eos_token_id must be an int or a list of ints"),
     ([[1, 2]], {"eos_token_id": 500}, "eos_token_id \\[500\\] outside the vocabulary"),
+    ([[1, 2]], {"do_sample": True, "top_k": 129}, "top_k=129 is larger than the vocabulary \\(128\\)"),
     ([[1, 2]], {"do_sample": True, "temperature": 0.0}, "temperature must be > 0 when do_sample=True"),
 ])
 def test_bad_requests_are_refused_before_compute(peaked, controls_config, monkeypatch, prompts, overrides, message):

@@ -1,4 +1,4 @@
-"""Self-speculative decoding (spec §8) against a naive reading of the rule, against autoregressive
+"""Self-speculative decoding (docs/design.md §8) against a naive reading of the rule, against autoregressive
 decoding token for token, on the test checkpoint and on the bundled model, and its contracts."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PROMPTS = [list(range(20, 28)), list(range(30, 41)) + [THINK_START], [40, 41, 42
 
 
 class NaiveSelfSpeculative:
-    """Spec §8 round by round on the public API, one prompt, NumPy `process`. The state only ever
+    """docs/design.md §8 round by round on the public API, one prompt, NumPy `process`. The state only ever
     holds emitted tokens, appended one at a time (no rollback, no block-sized causal pass): a
     round drafts with `denoise` after them and verifies by appending the drafts one by one to a
     copy of that state. Every call has one shape, so it compiles once."""

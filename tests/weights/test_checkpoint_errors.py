@@ -1,4 +1,4 @@
-"""Every bad-checkpoint case of spec §2 is a clear error that names the tensor and/or the file."""
+"""Every bad-checkpoint case of docs/design.md §2 is a clear error that names the tensor and/or the file."""
 
 from __future__ import annotations
 
