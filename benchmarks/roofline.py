@@ -1,12 +1,15 @@
 """Roofline on paper for Clover-35B-A3B: bytes and FLOPs of one denoising step, and the bound on
-tokens/s that follows. Pure arithmetic from the config below; nothing is timed.
+tokens/s that follows. Pure arithmetic from the config below (a `CloverConfig`, its parameters
+counted from the parameter table `clover_jax.core.params`); nothing is timed.
 
 Model (the model card, and docs/design.md §1): 40 layers, 3 Gated DeltaNet : 1 full attention
 (30 GDN + 10 attention), hidden 2048, 256 routed experts, top-8, expert intermediate 512, one
 gated shared expert (intermediate 512), GDN 16 key heads / 32 value heads of 128, conv kernel 4,
 attention 16 query / 2 K/V heads of 256 with an output gate (q_proj gives 2 × heads × 256),
-untied embeddings. The vocabulary (248,320) is Qwen3.5/3.6's `vocab_size`; the model card does not
-state it. Weights bf16 (2 bytes), K/V cache bf16, GDN recurrent state float32 (the dtypes the model card states).
+untied embeddings, and each GDN layer's Clover block-mode tensors (the right convolution and three
+per-head scalars, docs/design.md §2). The vocabulary (248,320) is Qwen3.5/3.6's `vocab_size`; the
+model card does not state it. Weights bf16 (2 bytes), K/V cache bf16, GDN recurrent state float32
+(the dtypes the model card states).
 
 One denoising step of a block of B tokens for each of `batch` sequences reads, at least once:
   * every non-expert weight (attention / GDN projections, norms, router, shared experts, the LM
@@ -35,15 +38,23 @@ tables of docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
-CONFIG = dict(
-    layers=40, gdn_layers=30, attention_layers=10, hidden=2048, vocab=248_320, experts=256, top_k=8,
-    expert_intermediate=512, shared_intermediate=512, gdn_key_heads=16, gdn_value_heads=32, gdn_head_dim=128,
-    conv_kernel=4, attention_heads=16, kv_heads=2, attention_head_dim=256, weight_bytes=2, kv_bytes=2,
-    state_bytes=4,
+from clover_jax.config import CloverConfig
+from clover_jax.core.params import STACK_EXPERTS, param_rows
+
+MODEL = CloverConfig(
+    vocab_size=248_320, hidden_size=2048, num_hidden_layers=40,
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 10,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
 )
+# Bytes per element: weights and K/V cache bf16, GDN recurrent state float32.
+DTYPE_BYTES = dict(weight_bytes=2, kv_bytes=2, state_bytes=4)
+CONFIG = {**dataclasses.asdict(MODEL), **DTYPE_BYTES}  # what the report records
 
 # Dense bf16 FLOP/s and HBM bytes/s from vendor data sheets (GB300: approximate, not in the issue).
 DEVICES = {
@@ -55,64 +66,68 @@ DEVICES = {
 GB = 1e9
 
 
-def parameter_counts(c=CONFIG) -> dict:
-    """Parameters by kind (per model)."""
-    h = c["hidden"]
-    gdn_qkv = 2 * c["gdn_key_heads"] * c["gdn_head_dim"] + c["gdn_value_heads"] * c["gdn_head_dim"]
-    gdn_value = c["gdn_value_heads"] * c["gdn_head_dim"]
-    gdn_layer = (h * gdn_qkv + h * gdn_value + 2 * h * c["gdn_value_heads"] + gdn_qkv * c["conv_kernel"]
-                 + gdn_value * h + 3 * c["gdn_value_heads"] + c["gdn_head_dim"])
-    attention_layer = (h * 2 * c["attention_heads"] * c["attention_head_dim"]
-                       + 2 * h * c["kv_heads"] * c["attention_head_dim"]
-                       + c["attention_heads"] * c["attention_head_dim"] * h + 2 * c["attention_head_dim"])
-    expert = 3 * h * c["expert_intermediate"]
-    shared = 3 * h * c["shared_intermediate"] + h
-    router = c["experts"] * h
-    norms = 2 * h
-    counts = {
-        "embedding": c["vocab"] * h,
-        "lm_head": c["vocab"] * h,
-        "gdn": c["gdn_layers"] * gdn_layer,
-        "attention": c["attention_layers"] * attention_layer,
-        "routed_experts": c["layers"] * c["experts"] * expert,
-        "shared_experts": c["layers"] * shared,
-        "routers": c["layers"] * router,
-        "norms": c["layers"] * norms + h,
-    }
+def _kind(path: tuple[str, ...], row) -> str:
+    if row.transform == STACK_EXPERTS:
+        return "routed_experts"
+    if path[0] in ("embed_tokens", "lm_head"):
+        return "embedding" if path[0] == "embed_tokens" else "lm_head"
+    if "linear_attn" in path:
+        return "gdn"
+    if "self_attn" in path:
+        return "attention"
+    if "shared_expert" in path or "shared_expert_gate" in path:
+        return "shared_experts"
+    if path[-2:] == ("mlp", "gate"):
+        return "routers"
+    return "norms"  # the layers' input / post-attention norms and the final norm
+
+
+def parameter_counts(config: CloverConfig = MODEL) -> dict:
+    """Parameters by kind (per model), from the parameter table."""
+    counts = dict.fromkeys(("embedding", "lm_head", "gdn", "attention", "routed_experts", "shared_experts", "routers",
+                            "norms"), 0)
+    for path, row in param_rows(config).items():
+        counts[_kind(path, row)] += math.prod(row.leaf_shape(config))
+    expert = 3 * config.hidden_size * config.moe_intermediate_size
     counts["total"] = sum(counts.values())
     counts["one_expert"] = expert
     counts["active_per_token"] = (counts["lm_head"] + counts["gdn"] + counts["attention"] + counts["shared_experts"]
-                                  + counts["routers"] + counts["norms"] + c["layers"] * c["top_k"] * expert)
+                                  + counts["routers"] + counts["norms"]
+                                  + config.num_hidden_layers * config.num_experts_per_tok * expert)
     return counts
 
 
-def union_distinct(tokens: int, c=CONFIG) -> float:
+def union_distinct(tokens: int, config: CloverConfig = MODEL) -> float:
     """Expected distinct experts when `tokens` tokens each pick top_k of E independently and uniformly."""
-    return c["experts"] * (1 - (1 - c["top_k"] / c["experts"]) ** tokens)
+    experts = config.num_experts
+    return experts * (1 - (1 - config.num_experts_per_tok / experts) ** tokens)
 
 
-def union_of_coresets(per_sequence: float, batch: int, c=CONFIG) -> float:
-    return c["experts"] * (1 - (1 - per_sequence / c["experts"]) ** batch)
+def union_of_coresets(per_sequence: float, batch: int, config: CloverConfig = MODEL) -> float:
+    return config.num_experts * (1 - (1 - per_sequence / config.num_experts) ** batch)
 
 
-def step_cost(block: int, batch: int, prefix: int, distinct_experts: float, c=CONFIG) -> dict:
+def step_cost(block: int, batch: int, prefix: int, distinct_experts: float, config: CloverConfig = MODEL,
+              dtype_bytes: dict = DTYPE_BYTES) -> dict:
     """Bytes and FLOPs of one denoising step (or, with block=1 and distinct=top_k·batch-union, one
     autoregressive step)."""
+    c = config
     p = parameter_counts(c)
     tokens = block * batch
-    w = c["weight_bytes"]
+    w = dtype_bytes["weight_bytes"]
+    attention_layers = c.layer_types.count("full_attention")
+    gdn_layers = c.num_hidden_layers - attention_layers
     dense_params = p["lm_head"] + p["gdn"] + p["attention"] + p["shared_experts"] + p["routers"] + p["norms"]
-    weight_bytes = w * (dense_params + tokens * c["hidden"]
-                        + c["layers"] * distinct_experts * p["one_expert"])
-    kv_bytes = batch * c["attention_layers"] * prefix * 2 * c["kv_heads"] * c["attention_head_dim"] * c["kv_bytes"]
-    gdn_state_bytes = batch * c["gdn_layers"] * (
-        c["gdn_value_heads"] * c["gdn_head_dim"] ** 2 * c["state_bytes"]
-        + (c["conv_kernel"] - 1) * (2 * c["gdn_key_heads"] + c["gdn_value_heads"]) * c["gdn_head_dim"] * w)
+    weight_bytes = w * (dense_params + tokens * c.hidden_size
+                        + c.num_hidden_layers * distinct_experts * p["one_expert"])
+    kv_bytes = batch * attention_layers * prefix * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes["kv_bytes"]
+    gdn_state_bytes = batch * gdn_layers * (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * dtype_bytes["state_bytes"]
+        + (c.linear_conv_kernel_dim - 1) * c.conv_dim * w)
     matmul_flops = 2 * tokens * p["active_per_token"]
-    attention_flops = tokens * c["attention_layers"] * 4 * c["attention_heads"] * c["attention_head_dim"] * (
-        prefix + block)
-    gdn_flops = tokens * c["gdn_layers"] * c["gdn_value_heads"] * (
-        2 * c["gdn_head_dim"] ** 2 + 4 * c["gdn_head_dim"] * block)
+    attention_flops = tokens * attention_layers * 4 * c.num_attention_heads * c.head_dim * (prefix + block)
+    key, value = c.linear_key_head_dim, c.linear_value_head_dim
+    gdn_flops = tokens * gdn_layers * c.linear_num_value_heads * (2 * key * value + 2 * (key + value) * block)
     total_bytes = weight_bytes + kv_bytes + gdn_state_bytes
     flops = matmul_flops + attention_flops + gdn_flops
     return {"block": block, "batch": batch, "prefix": prefix, "distinct_experts_per_layer": distinct_experts,
@@ -134,7 +149,6 @@ def bounds(cost: dict, tokens_per_forward: float) -> dict:
 def scenarios(block: int = 32, prefix: int = 4096) -> list[dict]:
     """The rows of the tables: AR step, denoising step without / with coreset, per batch."""
     rows = []
-    c = CONFIG
     for batch in (1, 4, 16):
         rows.append(dict(name="autoregressive step", batch=batch, block=1,
                          distinct=union_distinct(batch), distinct_rule="union of top-8 over the batch"))
@@ -146,7 +160,7 @@ def scenarios(block: int = 32, prefix: int = 4096) -> list[dict]:
                              distinct=union_of_coresets(coreset, batch) if batch > 1 else float(coreset),
                              distinct_rule=f"{coreset} per sequence" + (", union over the batch" if batch > 1 else "")))
     for row in rows:
-        row["cost"] = step_cost(row["block"], row["batch"], prefix, min(row["distinct"], c["experts"]))
+        row["cost"] = step_cost(row["block"], row["batch"], prefix, min(row["distinct"], MODEL.num_experts))
     return rows
 
 

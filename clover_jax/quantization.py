@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from clover_jax.core.params import ALWAYS, DENSE, find_param
+
 logger = logging.getLogger(__name__)
 
 SCALE_DTYPE = ml_dtypes.bfloat16
@@ -96,12 +98,10 @@ class QuantSpec:
                    dense=extra == "dense", fit_group=bits_text == "int4" and not group)
 
     def applies_to(self, path: tuple[str, ...]) -> bool:
-        """Whether the parameter at `path` is quantised under this spec."""
-        if path[-1] in ("experts_gate_up_proj", "experts_down_proj"):
-            return True
-        dense = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
-                 "gate_proj", "up_proj", "down_proj")
-        return self.dense and path[-1] == "weight" and len(path) >= 2 and path[-2] in dense
+        """Whether the parameter at `path` is quantised under this spec (its row's `quantize` in
+        the parameter table; a path that is no parameter is not)."""
+        row = find_param(path)
+        return row is not None and (row.quantize == ALWAYS or self.dense and row.quantize == DENSE)
 
     def check_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> None:
         if self.bits == 4 and shape[-1] % self.group_size:

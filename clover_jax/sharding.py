@@ -2,7 +2,8 @@
 them to the mesh axes `data`, `expert` and `tensor`.
 
 Each array dimension has a logical name (`batch`, `experts`, `q_heads`, `kv_heads`,
-`value_heads`, `mlp`, `vocab`, or None for "never sharded"). `ShardingRules` maps a logical
+`value_heads`, `mlp`, `vocab`, or None for "never sharded"); a parameter's names are its row's
+`axes` in the parameter table (`clover_jax.core.params`). `ShardingRules` maps a logical
 name to a mesh axis; `MeshPlan` applies the rules to a config and a mesh:
 
 * a dimension is sharded only when its *unit count* divides evenly (`q_heads` counts attention
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.config import CloverConfig
+from clover_jax.core.params import find_param
 from clover_jax.param_layout import flat_layout
 from clover_jax.state import GDNState, KVCache, ModelState
 
@@ -36,53 +38,14 @@ logger = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "expert", "tensor")
 
-# Logical axes of each layer parameter, after the leading [num_groups] axis (never sharded).
-_LAYER_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
-    ("input_layernorm", "weight"): (None,),
-    ("post_attention_layernorm", "weight"): (None,),
-    ("mlp", "gate"): (None, None),
-    ("mlp", "experts_gate_up_proj"): ("experts", None, None),
-    ("mlp", "experts_down_proj"): ("experts", None, None),
-    ("mlp", "shared_expert", "gate_proj", "weight"): ("mlp", None),
-    ("mlp", "shared_expert", "up_proj", "weight"): ("mlp", None),
-    ("mlp", "shared_expert", "down_proj", "weight"): (None, "mlp"),
-    ("mlp", "shared_expert_gate", "weight"): (None, None),
-    # GDN: q|k|v are concatenated along in_proj_qkv's rows, so a contiguous shard would cut
-    # across the three; the projection and its convolutions stay replicated.
-    ("linear_attn", "in_proj_qkv", "weight"): (None, None),
-    ("linear_attn", "conv1d_weight"): (None, None),
-    ("linear_attn", "conv1d_right_weight"): (None, None),
-    ("linear_attn", "in_proj_z", "weight"): ("value_heads", None),
-    ("linear_attn", "in_proj_b", "weight"): ("value_heads", None),
-    ("linear_attn", "in_proj_a", "weight"): ("value_heads", None),
-    ("linear_attn", "dt_bias"): ("value_heads",),
-    ("linear_attn", "A_log"): ("value_heads",),
-    ("linear_attn", "block_logit_scale"): ("value_heads",),
-    ("linear_attn", "memory_logit_bias"): ("value_heads",),
-    ("linear_attn", "block_size_calibration"): ("value_heads",),
-    ("linear_attn", "norm", "weight"): (None,),
-    ("linear_attn", "out_proj", "weight"): (None, "value_heads"),
-    ("self_attn", "q_proj", "weight"): ("q_heads", None),
-    ("self_attn", "k_proj", "weight"): ("kv_heads", None),
-    ("self_attn", "v_proj", "weight"): ("kv_heads", None),
-    ("self_attn", "o_proj", "weight"): (None, "q_heads"),
-    ("self_attn", "q_norm", "weight"): (None,),
-    ("self_attn", "k_norm", "weight"): (None,),
-}
-_TOP_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
-    ("embed_tokens", "embedding"): ("vocab", None),
-    ("norm", "weight"): (None,),
-    ("lm_head",): ("vocab", None),
-}
-
 
 def param_logical_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
-    """Logical axis names of the parameter at `path` (as in `clover_jax.param_layout`)."""
-    if path in _TOP_AXES:
-        return _TOP_AXES[path]
-    if path[0] == "groups" and path[2:] in _LAYER_AXES:
-        return ("layers",) + _LAYER_AXES[path[2:]]
-    raise KeyError(f"no logical axes for parameter {'/'.join(path)}")
+    """Logical axis names of the parameter at `path` (as in `clover_jax.param_layout`); layer
+    parameters lead with "layers", their [num_groups] axis, which is never sharded."""
+    row = find_param(path)
+    if row is None:
+        raise KeyError(f"no logical axes for parameter {'/'.join(path)}")
+    return row.leaf_axes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Write a parameter pytree as a Hugging Face layout checkpoint: the loader's table, inverted.
 
-`save_params` walks `weights.name_table.expected_placements(config)` — the same declarative
-table the loader reads — and writes each canonical tensor `params[path][index]` under its
+`save_params` walks `weights.name_table.expected_placements(config)` — the placements the loader
+reads, derived from the parameter table `clover_jax.core.params` — and writes each canonical tensor `params[path][index]` under its
 canonical name: the text-only `model.` prefix, routed experts one per expert
 (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, as `save_pretrained` writes them), the
 conv weights with their `[channels, 1, kernel]` shape, and for `clover_moe` configs the Clover

@@ -5,7 +5,8 @@ fresh process, because the number of (fake) devices is fixed when JAX starts.
     python sharded_run.py CHECKPOINT OUT.json --mesh 2,2,2 --process 0 --processes 2 --port 12345
 
 Each result holds the forward logits, the denoise logits, the generated tokens, and, per
-parameter, the shape of the first addressable shard (proof that the parameter is sharded).
+parameter, the shape of the first addressable shard (proof that the parameter is sharded) and
+the mesh axis each of its dimensions is split over.
 With several processes (`--processes`), each joins `jax.distributed` on 127.0.0.1 and reports
 the bytes it read from the checkpoint.
 """
@@ -41,6 +42,7 @@ def peaked(model):
 
 def results(model, report_bytes: int | None = None) -> dict:
     from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
 
     from decoding import generate
 
@@ -48,10 +50,17 @@ def results(model, report_bytes: int | None = None) -> dict:
     forward = gather(model.forward(np.asarray(PROMPTS[0])[None].repeat(2, 0)))
     denoise = gather(model.denoise_logits(np.asarray([PROMPTS[0][:4], PROMPTS[1] + [9]]), np.asarray(BLOCK)))
     out = generate(peaked(model), PROMPTS, generation_config(), progress=False)
-    shards = {"/".join(path): list(leaf.addressable_shards[0].data.shape)
-              for path, leaf in _flat(model.params).items() if hasattr(leaf, "addressable_shards")}
+    arrays = {"/".join(path): leaf for path, leaf in _flat(model.params).items() if hasattr(leaf, "addressable_shards")}
+    shards = {name: list(leaf.addressable_shards[0].data.shape) for name, leaf in arrays.items()}
+    specs = {name: _mesh_axes(leaf) for name, leaf in arrays.items() if isinstance(leaf.sharding, NamedSharding)}
     return {"forward": forward.tolist(), "denoise": denoise.tolist(), "sequences": out.sequences,
-            "nfe": out.nfe, "shard_shapes": shards, "bytes_read": report_bytes}
+            "nfe": out.nfe, "shard_shapes": shards, "mesh_axes": specs, "bytes_read": report_bytes}
+
+
+def _mesh_axes(array) -> list:
+    """The mesh axis (or None) each dimension of `array` is split over."""
+    spec = list(array.sharding.spec)
+    return spec + [None] * (array.ndim - len(spec))
 
 
 def _flat(tree, path=()):

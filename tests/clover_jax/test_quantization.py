@@ -141,3 +141,23 @@ def test_int4_without_any_even_dividing_group_is_refused():
 def test_malformed_quantize_names_are_refused(text):
     with pytest.raises(ValueError, match="quantize=|group_size must be an even number"):
         QuantSpec.parse(text)
+
+
+# Written out by hand: the routed experts always; with +dense also the attention, GDN and shared
+# expert projections; never the embedding, LM head, norms, router, shared-expert gate, in_proj_a/b.
+ROUTED = {"mlp/experts_gate_up_proj", "mlp/experts_down_proj"}
+DENSE = {"self_attn/q_proj/weight", "self_attn/k_proj/weight", "self_attn/v_proj/weight", "self_attn/o_proj/weight",
+         "linear_attn/in_proj_qkv/weight", "linear_attn/in_proj_z/weight", "linear_attn/out_proj/weight",
+         "mlp/shared_expert/gate_proj/weight", "mlp/shared_expert/up_proj/weight",
+         "mlp/shared_expert/down_proj/weight"}
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_exactly_the_routed_experts_and_with_dense_the_projections_are_quantised(clover, dense):
+    from clover_jax.param_layout import flat_layout
+
+    spec = QuantSpec(8, dense=dense)
+    quantised = {"/".join(path[2:]) if path[0] == "groups" else "/".join(path)
+                 for path in flat_layout(clover.config) if spec.applies_to(path)}
+    assert quantised == (ROUTED | DENSE if dense else ROUTED)
+    assert not spec.applies_to(("groups", "layer_0", "mlp", "no_such_weight"))

@@ -74,6 +74,77 @@ def test_parameters_are_sharded_as_the_rules_say(on_meshes, clover):
     assert tensor["embed_tokens/embedding"][0] == config.vocab_size // 8
 
 
+# Mesh axis of each dimension of each parameter on the (data 2, expert 2, tensor 2) mesh, written out
+# by hand: experts over "expert", heads and the shared expert's hidden units over "tensor", the
+# vocabulary over "tensor"; layer parameters lead with their [num_groups] axis, never split.
+MIXED_MESH_AXES = {
+    "embed_tokens/embedding": ["tensor", None],
+    "norm/weight": [None],
+    "lm_head": ["tensor", None],
+    "input_layernorm/weight": [None, None],
+    "post_attention_layernorm/weight": [None, None],
+    "mlp/gate": [None, None, None],
+    "mlp/experts_gate_up_proj": [None, "expert", None, None],
+    "mlp/experts_down_proj": [None, "expert", None, None],
+    "mlp/shared_expert/gate_proj/weight": [None, "tensor", None],
+    "mlp/shared_expert/up_proj/weight": [None, "tensor", None],
+    "mlp/shared_expert/down_proj/weight": [None, None, "tensor"],
+    "mlp/shared_expert_gate/weight": [None, None, None],
+    "linear_attn/in_proj_qkv/weight": [None, None, None],  # q|k|v rows: a contiguous split would mix them
+    "linear_attn/in_proj_z/weight": [None, "tensor", None],
+    "linear_attn/in_proj_b/weight": [None, "tensor", None],
+    "linear_attn/in_proj_a/weight": [None, "tensor", None],
+    "linear_attn/conv1d_weight": [None, None, None],
+    "linear_attn/conv1d_right_weight": [None, None, None],
+    "linear_attn/dt_bias": [None, "tensor"],
+    "linear_attn/A_log": [None, "tensor"],
+    "linear_attn/block_logit_scale": [None, "tensor"],
+    "linear_attn/memory_logit_bias": [None, "tensor"],
+    "linear_attn/block_size_calibration": [None, "tensor"],
+    "linear_attn/norm/weight": [None, None],
+    "linear_attn/out_proj/weight": [None, None, "tensor"],
+    "self_attn/q_proj/weight": [None, "tensor", None],
+    "self_attn/k_proj/weight": [None, "tensor", None],
+    "self_attn/v_proj/weight": [None, "tensor", None],
+    "self_attn/o_proj/weight": [None, None, "tensor"],
+    "self_attn/q_norm/weight": [None, None],
+    "self_attn/k_norm/weight": [None, None],
+}
+# On (1, 1, 8): 4 query heads, 2 K/V heads and 4 value heads do not split 8 ways and stay whole;
+# the shared expert's 48 hidden units and the 128-token vocabulary split. Everything else is whole.
+TENSOR_MESH_SPLIT = {
+    "embed_tokens/embedding": ["tensor", None],
+    "lm_head": ["tensor", None],
+    "mlp/shared_expert/gate_proj/weight": [None, "tensor", None],
+    "mlp/shared_expert/up_proj/weight": [None, "tensor", None],
+    "mlp/shared_expert/down_proj/weight": [None, None, "tensor"],
+}
+# On (1, 8, 1): only the routed experts split.
+EXPERT_MESH_SPLIT = {
+    "mlp/experts_gate_up_proj": [None, "expert", None, None],
+    "mlp/experts_down_proj": [None, "expert", None, None],
+}
+
+
+def _by_parameter(mesh_axes: dict) -> dict:
+    """{path inside a layer (or from the root): mesh axes}, the same for every slot of the group."""
+    by_parameter = {}
+    for path, axes in mesh_axes.items():
+        key = path.split("/", 2)[2] if path.startswith("groups/") else path
+        assert by_parameter.setdefault(key, axes) == axes, path
+    return by_parameter
+
+
+def test_each_parameter_dimension_is_split_over_the_mesh_axis_written_here(on_meshes):
+    mixed = _by_parameter(on_meshes["2,2,2"]["mesh_axes"])
+    assert mixed == MIXED_MESH_AXES
+    tensor = _by_parameter(on_meshes["1,1,8"]["mesh_axes"])
+    assert tensor.keys() == MIXED_MESH_AXES.keys()
+    assert tensor == {key: TENSOR_MESH_SPLIT.get(key, [None] * len(axes)) for key, axes in MIXED_MESH_AXES.items()}
+    expert = _by_parameter(on_meshes["1,8,1"]["mesh_axes"])
+    assert expert == {key: EXPERT_MESH_SPLIT.get(key, [None] * len(axes)) for key, axes in MIXED_MESH_AXES.items()}
+
+
 def test_two_processes_each_read_their_shards_and_agree(clover_checkpoint, tmp_path, single_device):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
