@@ -83,7 +83,7 @@ class GatedAttention(nn.Module):
         if x.shape[1] > causal:
             block_allowed = lambda index: jnp.broadcast_to(~is_causal_row, (x.shape[0], x.shape[1], index.shape[0]))
             segments.append(array_segment(key[:, causal:], value[:, causal:], block_allowed))
-        if self.kernels.attention == "fused":
+        if self.kernels.attention == "dot_product_attention":
             out = fused_attention(query, segments, self.kernels.platform)
         else:
             out = online_attention(query, segments, self.key_block)

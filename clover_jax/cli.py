@@ -404,7 +404,7 @@ def run_generate(args: argparse.Namespace) -> int:
             render_steps(tokenizer, prompt_ids, response, output.trajectory[0]["step"], output.steps_per_block[0],
                          generation, frames_out, delay)
     metrics = _metrics(output, load_seconds, args.warmup)
-    eos = set(generation.eos_token_id or config.eos_token_id)
+    eos = set(generation.eos_token_id)  # resolved with the checkpoint's (`resolve_generation_config`)
     finished = "eos" if response and response[-1] in eos else "max_new_tokens"
     if args.json:
         record = {"model": str(path), "mode": args.mode, "prompt": prompt, "prompt_tokens": len(prompt_ids),
@@ -434,7 +434,10 @@ def encode_prompt(tokenizer, prompt: str, args: argparse.Namespace, system: str 
 
 
 def resolve_generation_config(path: Path, config, overrides: dict[str, Any]):
-    """The checkpoint's generation_config.json with the flags applied, checked before the weights load."""
+    """The checkpoint's generation_config.json with the flags applied, checked before the weights load.
+
+    Its special token ids are the checkpoint's where neither the flags nor generation_config.json
+    set them (`decoding.generation_config.resolve_token_ids`)."""
     from decoding.generation_config import GenerationConfig
 
     generation = GenerationConfig.from_pretrained(path)
@@ -694,32 +697,19 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def parameter_counts(config) -> dict[str, int]:
-    """Total parameters, the routed experts' share, and those one token uses (top-k of the experts)."""
-    from clover_jax.param_layout import flat_layout
+    """Total parameters, the routed experts' share, and those one token uses (top-k of the experts),
+    from the parameter table (`clover_jax.core.params.parameter_counts`)."""
+    from clover_jax.core.params import parameter_counts as table_counts
 
-    total = routed = embedding = 0
-    for parameter_path, shape in flat_layout(config).items():
-        count = math.prod(shape)
-        total += count
-        if parameter_path[-1] in ("experts_gate_up_proj", "experts_down_proj"):
-            routed += count
-        if parameter_path[-1] in ("embed_tokens", "lm_head") or "embed_tokens" in parameter_path:
-            embedding += count
-    active = total - routed + routed * config.num_experts_per_tok // config.num_experts
-    return {"total": total, "routed_experts": routed, "active_per_token": active, "embeddings": embedding}
+    return table_counts(config)
 
 
 def describe(path: Path, config, batch: int, context: int) -> dict[str, Any]:
     from clover_jax.memory import estimate_memory
+    from clover_jax.tokenization import has_chat_template
 
     files = sorted(path.glob("*.safetensors"))
-    tokenizer_config = path / "tokenizer_config.json"
-    has_template = (path / "chat_template.jinja").is_file()
-    if tokenizer_config.is_file():
-        try:
-            has_template = has_template or bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
-        except json.JSONDecodeError:
-            pass
+    has_template = has_chat_template(path)
     memory = {}
     for dtype in ("float32", "bfloat16"):
         estimate = estimate_memory(config, batch, context, dtype)

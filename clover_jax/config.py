@@ -187,29 +187,12 @@ class CloverConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> "CloverConfig":
         """Parse a `config.json` object of any accepted shape (`source` names it in errors)."""
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{source} must hold a JSON object {{...}}, got {show(raw)}")
-        model_type = raw.get("model_type")
-        if model_type not in ACCEPTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source} has model_type={model_type!r}; clover-jax accepts {list(ACCEPTED_MODEL_TYPES)}")
-        text, prefix = dict(raw), ""
-        if model_type == "qwen3_5_moe":
-            if not isinstance(raw.get("text_config"), dict):
-                raise ConfigError(f"{source} with model_type 'qwen3_5_moe' needs a 'text_config' object, got "
-                                  f"{show(raw.get('text_config'))}")
-            text, prefix = dict(raw["text_config"]), "text_config."
-            # The wrapper carries these at its top level in some exports.
-            for key in ("tie_word_embeddings", "eos_token_id", "mask_token_id"):
-                if key not in text and key in raw:
-                    text[key] = raw[key]
+        model_type, text, prefix = text_model_fields(raw, source)
         return cls._from_text_fields(JsonFields(text, source, prefix), model_type)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "CloverConfig":
-        config_path = os.path.join(os.fspath(path), "config.json")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"no config.json in {os.fspath(path)!r}")
+        config_path = config_json_path(path)
         return cls.from_dict(read_json_object(config_path), config_path)
 
     @classmethod
@@ -262,6 +245,44 @@ class CloverConfig:
             checkpoint_dtype=dtype if dtype is not None else fields.string("torch_dtype", None),
         )
         return cls(**values)
+
+
+def config_json_path(directory: str | os.PathLike) -> str:
+    """The checkpoint directory's config.json; ConfigError when there is none."""
+    path = os.path.join(os.fspath(directory), "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json in {os.fspath(directory)!r}")
+    return path
+
+
+def read_text_model_fields(directory: str | os.PathLike) -> dict[str, Any]:
+    """The text model's raw fields in a checkpoint's config.json (the `qwen3_5_moe` wrapper's
+    `text_config`, with what the wrapper carries at its top level), for tools that rewrite a
+    config; the values are as stored, not checked (`CloverConfig.from_pretrained` checks them)."""
+    path = config_json_path(directory)
+    return text_model_fields(read_json_object(path), path)[1]
+
+
+def text_model_fields(raw: Any, source: str = "config.json") -> tuple[str, dict[str, Any], str]:
+    """(model_type, the text model's fields, where they sit: "" or "text_config.") of a
+    config.json object of any accepted shape; ConfigError for any other."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source} must hold a JSON object {{...}}, got {show(raw)}")
+    model_type = raw.get("model_type")
+    if model_type not in ACCEPTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source} has model_type={model_type!r}; clover-jax accepts {list(ACCEPTED_MODEL_TYPES)}")
+    if model_type != "qwen3_5_moe":
+        return model_type, dict(raw), ""
+    if not isinstance(raw.get("text_config"), dict):
+        raise ConfigError(f"{source} with model_type 'qwen3_5_moe' needs a 'text_config' object, got "
+                          f"{show(raw.get('text_config'))}")
+    text = dict(raw["text_config"])
+    # The wrapper carries these at its top level in some exports.
+    for key in ("tie_word_embeddings", "eos_token_id", "mask_token_id"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    return model_type, text, "text_config."
 
 
 def _smallest_period(sequence: tuple[str, ...]) -> tuple[str, ...]:

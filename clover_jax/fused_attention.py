@@ -1,5 +1,6 @@
 """The platform's fused attention (`jax.nn.dot_product_attention`) over the same key segments as
-`online_attention`, selected by `KernelChoice.attention == "fused"`.
+`online_attention`, selected by `KernelChoice.attention == "dot_product_attention"` (what
+`impl="pallas"`, and `impl="auto"` on GPU, choose; it is not a Pallas kernel).
 
 The segments' keys are concatenated and their masks become one boolean mask
 [batch, 1, queries, keys]; on GPU cuDNN runs it as one fused kernel. Queries that may see no
@@ -15,7 +16,9 @@ from clover_jax.online_attention import KeySegment
 
 
 def fused_attention(query: jax.Array, segments: list[KeySegment], platform: str) -> jax.Array:
-    """query: [batch, queries, heads, head_dim] -> [batch, queries, heads, head_dim]."""
+    """query: [batch, queries, heads, head_dim] -> [batch, queries, heads, head_dim].
+
+    platform: "cpu", "gpu" or "tpu" (`KernelChoice.platform`); cuDNN runs it on "gpu", XLA elsewhere."""
     keys, values = zip(*(s.read(0, s.length) for s in segments))
     key = jnp.concatenate([k.astype(query.dtype) for k in keys], axis=1)
     value = jnp.concatenate([v.astype(query.dtype) for v in values], axis=1)

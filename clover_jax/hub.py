@@ -20,10 +20,11 @@ is a `CheckpointNotFoundError` (a `ValueError`) naming what was asked for.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
+
+from clover_jax.json_fields import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,8 @@ def _weight_files(folder: Path) -> list[str]:
     if not index.is_file():
         return [SINGLE_FILE]
     try:
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle).get("weight_map")
-    except (OSError, ValueError, AttributeError):
+        weight_map = read_json_object(index).get("weight_map")
+    except (OSError, ValueError):  # ConfigError is a ValueError
         return []
     if not isinstance(weight_map, dict):
         return []

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import numpy as np
 
 from clover_jax.config import CloverConfig
+from clover_jax.core.params import parameter_counts
 from clover_jax.online_attention import KEY_BLOCK
-from clover_jax.param_layout import flat_layout
 
 GDN_CHUNK = 64
 
@@ -40,7 +39,7 @@ class MemoryEstimate:
 
 @functools.lru_cache(maxsize=32)
 def parameter_count(config: CloverConfig) -> int:
-    return sum(math.prod(shape) for shape in flat_layout(config).values())
+    return parameter_counts(config)["total"]
 
 
 def estimate_memory(config: CloverConfig, batch: int, context_length: int, dtype="bfloat16",

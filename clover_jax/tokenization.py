@@ -137,18 +137,7 @@ class Tokenizer:
             backend = Backend.from_file(str(tokenizer_file))
         except Exception as error:  # the Rust side raises a bare Exception
             raise TokenizerError(f"{tokenizer_file} cannot be read by `tokenizers`: {_one_line(error)}") from error
-        template = config.get("chat_template")
-        if isinstance(template, list):
-            template = {entry["name"]: entry["template"] for entry in template}
-        files = {}
-        if (directory / CHAT_TEMPLATE_FILE).is_file():
-            files["default"] = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-        if (directory / CHAT_TEMPLATE_DIR).is_dir():
-            for file in sorted((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
-                files[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
-        if files:  # template files win over tokenizer_config.json, as in transformers
-            template = files["default"] if list(files) == ["default"] else files
-        return cls(backend, config, template, os.fspath(path), legacy)
+        return cls(backend, config, stored_chat_template(directory, config), os.fspath(path), legacy)
 
     # ------------------------------------------------------------------ vocabulary
     @property
@@ -345,6 +334,36 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------------- tokenizer_config.json
+def stored_chat_template(directory: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """The chat template(s) a checkpoint ships: `chat_template.jinja` and
+    `additional_chat_templates/*.jinja` win over `config`'s (tokenizer_config.json's)
+    `chat_template`, as in transformers. A string, a {name: template} dict, or None."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = {entry["name"]: entry["template"] for entry in template}
+    files = {}
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (directory / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            files[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if files:
+        template = files["default"] if list(files) == ["default"] else files
+    return template
+
+
+def has_chat_template(directory: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory ships a chat template, without loading its tokenizer
+    (a tokenizer_config.json that cannot be read counts as none)."""
+    directory = Path(directory)
+    if (directory / CHAT_TEMPLATE_FILE).is_file() or any((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+        return True
+    try:
+        return bool(_read_json(directory / "tokenizer_config.json").get("chat_template"))
+    except TokenizerConfigError:
+        return False
+
+
 def check_tokenizer_config(config: Any, file: str) -> None:
     """Refuse, naming the field, a tokenizer_config.json / special_tokens_map.json whose fields that
     clover-jax reads have the wrong JSON type (nothing is coerced)."""
@@ -408,7 +427,8 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
                          tools: list | None = None, documents: list | None = None,
                          continue_final_message: bool | str = False, **variables: Any) -> str:
     """Render one conversation with a Jinja chat template, as transformers renders it, within the
-    bounds of `MAX_TEMPLATE_STEPS` and `MAX_TEMPLATE_CHARS`."""
+    bounds of `MAX_TEMPLATE_STEPS` and `MAX_TEMPLATE_CHARS`. This is the one sandbox every chat
+    template in clover-jax renders in (the training task's `render_chat` included)."""
     import jinja2
 
     chat = []

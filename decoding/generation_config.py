@@ -8,6 +8,10 @@ Keyword overrides replace loaded values; every field is validated with a clear `
 boolean, `"96"` or `true` not an integer, `null` not a token id); a wrong type is a
 `ConfigError` naming the file and the field. Fields clover-jax does not use (`pad_token_id`,
 `transformers_version`, ...) are ignored.
+
+The special token ids decoding needs are resolved in one place, `resolve_token_ids`, each from
+the first source that has it: generation_config.json (or keyword overrides), then config.json
+(`eos_token_id`, `mask_token_id`), then the tokenizer (`<think>` / `</think>`).
 """
 
 from __future__ import annotations
@@ -112,17 +116,12 @@ class GenerationConfig:
         values: dict[str, Any] = dict(CLOVER_DEFAULTS)
         if model_config.model_type != "clover_moe":
             values.update(NEUTRAL_CONTROLS)
-        values["eos_token_id"] = model_config.eos_token_id
-        values["mask_token_id"] = model_config.mask_token_id
         generation_path = os.path.join(path, "generation_config.json")
         stored = {}
         if os.path.isfile(generation_path):
             stored = read_generation_config_json(generation_path)
             values.update(stored)
-        thinking = think_tokens_from_tokenizer(path)
-        for key, token in thinking.items():
-            if values.get(key) is None:
-                values[key] = token
+        values.update(resolve_token_ids(values, model_config, path))
         try:
             loaded = cls.from_dict(values)
         except ValueError as error:  # a stored value out of range: say which file holds it
@@ -135,6 +134,13 @@ class GenerationConfig:
     def from_dict(cls, values: dict[str, Any]) -> "GenerationConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{key: value for key, value in values.items() if key in known})
+
+    def with_token_ids(self, model_config: CloverConfig, checkpoint: str | os.PathLike | None = None
+                       ) -> "GenerationConfig":
+        """This config with the special token ids it leaves out filled in (`resolve_token_ids`)."""
+        given = {name: getattr(self, name) for name in TOKEN_ID_FIELDS}
+        resolved = resolve_token_ids(given, model_config, checkpoint)
+        return self if resolved == given else self.replace(**resolved)
 
     def replace(self, **overrides: Any) -> "GenerationConfig":
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
@@ -223,6 +229,33 @@ def read_generation_config_json(path: str) -> dict[str, Any]:
             reader = json_reader(field)
             values[field.name] = fields.ids(field.name) if reader == "ids" else getattr(fields, reader)(field.name)
     return values
+
+
+TOKEN_ID_FIELDS = ("eos_token_id", "mask_token_id", "think_start_token_id", "think_end_token_id")
+
+
+def resolve_token_ids(given: Mapping[str, Any], model_config: CloverConfig,
+                      checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The special token ids decoding uses (`TOKEN_ID_FIELDS`), each from the first source that has it:
+
+      1. `given`: generation_config.json's values, or what the caller set (None, or no EOS ids:
+         not given);
+      2. config.json, as `model_config`: `eos_token_id`, `mask_token_id`;
+      3. the checkpoint's tokenizer.json (when `checkpoint` is a directory): the ids of the
+         tokens `<think>` and `</think>`, read only when they are still missing.
+
+    An id none of them has stays None (no EOS ids: an empty tuple).
+    """
+    ids = {name: given.get(name) for name in TOKEN_ID_FIELDS}
+    if not ids["eos_token_id"]:
+        ids["eos_token_id"] = tuple(model_config.eos_token_id)
+    if ids["mask_token_id"] is None:
+        ids["mask_token_id"] = model_config.mask_token_id
+    thinking = ("think_start_token_id", "think_end_token_id")
+    if checkpoint is not None and any(ids[name] is None for name in thinking):
+        found = think_tokens_from_tokenizer(os.fspath(checkpoint))
+        ids.update({name: found[name] for name in thinking if ids[name] is None and name in found})
+    return ids
 
 
 @functools.lru_cache(maxsize=8)

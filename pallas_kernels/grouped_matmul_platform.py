@@ -24,13 +24,16 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.grouped_matmul import fit_tile, grouped_matmul
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
+from pallas_kernels.platforms import platform_name
 
 Kernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
 
 
 def kernel_for(platform: str, kernel: Kernel, has_active_groups: bool) -> str:
+    """The kernel `kernel="auto"` means on `platform` ("cpu", "gpu", "tpu"; "cuda"/"rocm" mean "gpu")."""
     if kernel != "auto":
         return kernel
+    platform = platform_name(platform)
     if platform == "cpu":
         return "xla"
     if platform == "tpu" and not has_active_groups:
@@ -76,8 +79,10 @@ def grouped_matmul_for_platform(
     interpret: bool = False,
 ) -> jax.Array:
     """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth]) with the kernel
-    chosen for `platform` ("cpu", "cuda", "rocm", "tpu"; e.g. `jax.default_backend()` or an export
-    target). `interpret` runs the Pallas choices in interpret mode (tests on CPU)."""
+    chosen for `platform` ("cpu", "gpu", "tpu", e.g. `jax.default_backend()`; an export target's
+    "cuda" or "rocm" means "gpu", `platforms.platform_name`). `interpret` runs the Pallas choices
+    in interpret mode (tests on CPU)."""
+    platform = platform_name(platform)
     chosen = kernel_for(platform, kernel, active_groups is not None)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:

@@ -1,6 +1,12 @@
-"""Which compiled form of a kernel runs on which platform.
+"""Where code runs, in one vocabulary, and which compiled form of a kernel runs there.
 
-Each kernel here has two drivers around the same math:
+**The platform vocabulary** is JAX's backend names: ``"cpu"``, ``"gpu"``, ``"tpu"`` (what
+`jax.default_backend()` and `Device.platform` say). JAX lowers for a GPU under the names
+``"cuda"`` and ``"rocm"`` (`jax.export(platforms=[...])`, `jax.lax.platform_dependent`);
+wherever a platform is passed in, those are accepted and mean ``"gpu"`` (`platform_name`).
+`clover_jax.kernels` speaks the same vocabulary.
+
+Each kernel here has two drivers around the same math, named for the platform they are for:
 
 * ``"gpu"``: every program is independent (Triton runs them concurrently), so sequential work
   (chunks of a recurrence, the contraction dimension of a matmul) is a loop inside the kernel.
@@ -23,8 +29,19 @@ from typing import Literal
 
 import jax
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+GPU_LOWERINGS = ("cuda", "rocm")  # JAX's lowering names for a GPU; both mean "gpu"
 Variant = Literal["auto", "gpu", "tpu"]
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+_LOWERING_PLATFORMS = ("cpu", *GPU_LOWERINGS, "tpu")  # the keywords `jax.lax.platform_dependent` takes
+
+
+def platform_name(platform: str) -> str:
+    """`platform` in the one vocabulary: "cpu", "gpu" or "tpu" ("cuda" and "rocm" are "gpu")."""
+    name = "gpu" if platform in GPU_LOWERINGS else platform
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)} "
+                         f"({' and '.join(GPU_LOWERINGS)} mean gpu)")
+    return name
 
 
 def variant_for(platform: str, variant: Variant) -> str:
@@ -34,12 +51,12 @@ def variant_for(platform: str, variant: Variant) -> str:
         raise ValueError(f"variant must be 'auto', 'gpu' or 'tpu', got {variant!r}")
     if variant != "auto":
         return variant
-    return "tpu" if platform == "tpu" else "gpu"
+    return "tpu" if platform_name(platform) == "tpu" else "gpu"
 
 
 def interpret_for(platform: str, interpret: bool | None) -> bool:
     """`interpret=None` interprets on CPU only (Pallas has no CPU compiler)."""
-    return platform == "cpu" if interpret is None else bool(interpret)
+    return platform_name(platform) == "cpu" if interpret is None else bool(interpret)
 
 
 def per_platform(build: Callable[[str, bool], Callable], variant: Variant, interpret: bool | None) -> Callable:
@@ -48,10 +65,10 @@ def per_platform(build: Callable[[str, bool], Callable], variant: Variant, inter
     `build` returns a function of the kernel's array arguments; it is traced once per distinct
     (variant, interpret) pair, and only the branch of the lowering platform reaches the compiler.
     """
-    choices = {platform: (variant_for(platform, variant), interpret_for(platform, interpret))
-               for platform in PLATFORMS}
+    choices = {lowering: (variant_for(lowering, variant), interpret_for(lowering, interpret))
+               for lowering in _LOWERING_PLATFORMS}
     built = {choice: build(*choice) for choice in set(choices.values())}
     if len(built) == 1:
         return next(iter(built.values()))
     return lambda *args: jax.lax.platform_dependent(
-        *args, **{platform: built[choice] for platform, choice in choices.items()})
+        *args, **{lowering: built[choice] for lowering, choice in choices.items()})

@@ -9,16 +9,17 @@ Like Qwen3's, the generation prompt is `<|im_start|>assistant\\n`, and with
 `enable_thinking=False` it is followed by an empty thinking segment `<think>\\n\\n</think>\\n\\n`.
 The last assistant turn after the last user message keeps its reasoning (given as
 `reasoning_content`, or inline in `content` before `</think>`); earlier assistant turns are
-rendered without it. `render_chat` compiles the template the way
-`transformers.utils.chat_template_utils` does (sandboxed environment, `trim_blocks`,
-`lstrip_blocks`, `loopcontrols`, `raise_exception`), so a tokenizer loaded with
-`AutoTokenizer.from_pretrained` renders the same text (tested).
+rendered without it. `render_chat` renders it in the one chat-template sandbox,
+`clover_jax.tokenization.render_chat_template` (transformers' semantics, with bounds on the
+work a template does), so a tokenizer loaded with `AutoTokenizer.from_pretrained` renders the
+same text (tested).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
+
+from clover_jax.tokenization import render_chat_template
 
 CHAT_TEMPLATE = """\
 {%- set ns = namespace(last_user=-1) %}
@@ -62,22 +63,8 @@ CHAT_TEMPLATE = """\
 """
 
 
-@functools.lru_cache(maxsize=4)
-def _compiled(template: str):
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(template)
-
-
 def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                 template: str = CHAT_TEMPLATE, **kwargs: Any) -> str:
     """The template's text for `messages` ({"role", "content"[, "reasoning_content"]} dicts);
     keyword arguments such as `enable_thinking` reach the template as variables."""
-    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -33,6 +33,19 @@ def test_three_config_shapes_describe_the_same_backbone(qwen36_checkpoint, fused
     assert flat.rotary_dim == 8 and flat.eos_token_id == (1,)
 
 
+def test_the_text_model_fields_of_any_config_shape_come_from_the_one_reader(qwen36_checkpoint, tmp_path):
+    from clover_jax.config import read_text_model_fields
+
+    flat = read_config(qwen36_checkpoint)
+    assert read_text_model_fields(qwen36_checkpoint) == flat
+    text = {key: value for key, value in flat.items() if key != "eos_token_id"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text,
+                                                      "eos_token_id": flat["eos_token_id"]}))
+    assert read_text_model_fields(tmp_path) == flat  # the wrapper's top-level EOS joins the text fields
+    with pytest.raises(ConfigError, match="no config.json in"):
+        read_text_model_fields(tmp_path / "absent")
+
+
 def test_unknown_model_type_is_named(qwen36_checkpoint):
     raw = read_config(qwen36_checkpoint) | {"model_type": "llama"}
     with pytest.raises(ConfigError, match="model_type='llama'.*accepts"):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clover_jax import CloverModel
+from clover_jax import kernels
 from clover_jax.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from clover_jax.kernels import KernelChoice, choose_kernels
 from tests.conftest import MASK_ID, token_ids
@@ -23,6 +24,31 @@ def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
     assert choose_kernels("pallas", "cpu").interpret
     with pytest.raises(ValueError, match="impl='triton' is not one of"):
         choose_kernels("triton")
+
+
+def test_platforms_have_one_vocabulary_and_gpu_lowering_names_mean_gpu():
+    from pallas_kernels import platforms
+
+    assert kernels.PLATFORMS == platforms.PLATFORMS
+    for name in ("cpu", "gpu", "tpu", "cuda", "rocm"):
+        assert kernels.platform_name(name) == platforms.platform_name(name)
+    assert choose_kernels("auto", "rocm").platform == "gpu" and choose_kernels("auto", "gpu").platform == "gpu"
+    assert KernelChoice(platform="cuda") == KernelChoice(platform="gpu")
+    for unknown in (lambda: choose_kernels("auto", "metal"), lambda: KernelChoice(platform="metal"),
+                    lambda: platforms.platform_name("metal")):
+        with pytest.raises(ValueError, match="unknown platform 'metal'"):
+            unknown()
+
+
+def test_the_attention_choice_is_named_for_what_it_selects():
+    # impl="pallas" forces the Pallas kernels; attention has none and takes jax.nn.dot_product_attention
+    assert choose_kernels("pallas", "tpu").attention == "dot_product_attention"
+    assert choose_kernels("auto", "tpu").attention == "online_softmax"
+    # the earlier names are still accepted, and mean the same choice (equal and equally hashed: jit keys)
+    assert KernelChoice("fused") == KernelChoice("dot_product_attention")
+    assert hash(KernelChoice("online")) == hash(KernelChoice("online_softmax"))
+    with pytest.raises(ValueError, match="KernelChoice.attention='splash' is not one of"):
+        KernelChoice("splash")
 
 
 def test_grouped_matmul_experts_equal_the_tiled_scan_including_dropped_pairs():

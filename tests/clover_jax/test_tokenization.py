@@ -240,6 +240,30 @@ def test_chat_template_file_wins_over_tokenizer_config(tokenizer_dir, tmp_path):
     assert tokenizer.apply_chat_template(CONVERSATIONS["single"], tokenize=False) == "FILEWhat is diffusion?"
 
 
+def test_has_chat_template_sees_the_template_wherever_the_tokenizer_reads_it(tokenizer_dir, tmp_path):
+    assert tokenization.has_chat_template(tokenizer_dir)
+    bare = tmp_path / "bare"
+    write_tokenizer(bare, template=None)
+    assert not tokenization.has_chat_template(bare)
+    (bare / "additional_chat_templates").mkdir()
+    (bare / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0].content }}")
+    assert tokenization.has_chat_template(bare)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text("[1, 2]")  # unreadable: counted as no template, no error
+    assert not tokenization.has_chat_template(broken)
+
+
+def test_the_training_chat_format_renders_in_the_one_bounded_sandbox(monkeypatch):
+    from clover_jax.training.chat_format import render_chat
+
+    monkeypatch.setattr(tokenization, "MAX_TEMPLATE_STEPS", 50)
+    with pytest.raises(ChatTemplateError, match="more than 50 loop iterations"):
+        render_chat([{"role": "user", "content": "sort 1 2"}], template="{% for i in range(100) %}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="A system message must come first"):
+        render_chat([{"role": "user", "content": "sort 1 2"}, {"role": "system", "content": "late"}])
+
+
 def test_legacy_special_tokens_map_and_model_specific_tokens_as_in_transformers(tokenizer_dir, tmp_path):
     import shutil
 

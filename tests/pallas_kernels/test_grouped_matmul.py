@@ -115,6 +115,17 @@ def test_oracle_matches_per_row_numpy():
                  per_row_numpy(lhs, rhs, sizes, [2]))
 
 
+def test_the_kernel_choice_speaks_the_platform_vocabulary_and_takes_gpu_lowering_names():
+    from pallas_kernels.grouped_matmul_platform import kernel_for
+
+    assert [kernel_for(p, "auto", False) for p in ("cpu", "gpu", "cuda", "rocm", "tpu")] == \
+        ["xla", "pallas", "pallas", "pallas", "megablox"]
+    assert kernel_for("tpu", "auto", True) == "pallas"  # megablox has no listed-subset form
+    lhs, rhs = operands(8, 2, seed=6)
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        grouped_matmul_for_platform("metal", lhs, rhs, jnp.array([4, 4], jnp.int32))
+
+
 def test_megablox_choice_for_tpu_matches_oracle_and_zeroes_rows_past_the_total():
     lhs, rhs = operands(50, 5, seed=5)
     sizes = jnp.array([10, 0, 17, 3, 0], jnp.int32)
