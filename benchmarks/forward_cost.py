@@ -72,10 +72,11 @@ def compiled_traffic(model, state, token, block) -> dict:
         return {"bytes_accessed": float(cost.get("bytes accessed", 0.0)), "flops": float(cost.get("flops", 0.0))}
 
     coreset = model._coreset(None, None)
-    return {"autoregressive_step": analysis(run_causal.lower(model.module, model.run_params, jnp.asarray(token), state,
-                                                             model.chunk_size, "last").compile()),
-            "denoise_step": analysis(run_pass.lower(model.module, model.run_params, jnp.asarray(block), state, 0, 0,
-                                                    coreset["coreset"], jnp.float32(coreset["coreset_top_p"])).compile())}
+    autoregressive = run_causal.lower(model.passes, model.run_params, jnp.asarray(token), state,
+                                      chunk_size=model.chunk_size, logits="last")
+    denoise = run_pass.lower(model.passes, model.run_params, jnp.asarray(block), state, num_causal=0, logits_from=0,
+                             coreset=coreset["coreset"], coreset_top_p=jnp.float32(coreset["coreset_top_p"]))
+    return {"autoregressive_step": analysis(autoregressive.compile()), "denoise_step": analysis(denoise.compile())}
 
 
 def main(argv=None) -> None:

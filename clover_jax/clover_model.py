@@ -1,14 +1,13 @@
 """`CloverModel`: the user-facing handle on a loaded checkpoint (docs/design.md §6).
 
-The methods validate their inputs on the host, then call one pure jitted function,
-`run_pass(module, params, input_ids, state, ...)`, whose compiled form depends only on the
-shapes (batch, tokens, state capacity) and the static pass layout — never on the prefix
-length or the token values, so denoising steps never recompile.
+The methods validate their inputs on the host, then call one of the pure jitted functions below,
+each a named pass of the model's `ModelPasses` (`clover_jax.core.passes`), whose compiled form
+depends only on the shapes (batch, tokens, state capacity) and the static pass layout — never on
+the prefix length or the token values, so denoising steps never recompile.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any, NamedTuple
@@ -17,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax import compilation_cache
-from clover_jax.chunked import DEFAULT_CHUNK, causal_pass
+from clover_jax import compilation_cache, memory
 from clover_jax.config import CloverConfig
+from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutput
 from clover_jax.executable_cache import persistent_jit
 from clover_jax.hub import resolve_checkpoint
 from clover_jax.kernels import choose_kernels
-from clover_jax.model import CloverTransformer, Params, PassOutput, stack_groups, unstack_groups
+from clover_jax.model import CloverTransformer, TransformerPasses, stack_groups, unstack_groups
 from clover_jax.quantization import QuantSpec
 from clover_jax.sharding import MeshPlan, ShardingRules
 from clover_jax.state import ModelState, empty_state
@@ -38,35 +37,46 @@ class BlockLogits(NamedTuple):
     distinct_experts: jax.Array
 
 
-@persistent_jit(static_argnames=("module", "num_causal", "logits_from", "coreset"))
-def run_pass(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
-             num_causal: int, logits_from: int, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
-    """The one compiled entry point: `CloverTransformer.__call__` on explicit parameters."""
-    return module.apply({"params": params}, input_ids, state, num_causal, logits_from, coreset, coreset_top_p)
+@persistent_jit(static_argnames=("passes", "num_causal", "logits_from", "coreset"))
+def run_pass(passes: ModelPasses, params: Params, input_ids: jax.Array, state: ModelState, num_causal: int,
+             logits_from: int, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
+    """Any pass layout, compiled: `ModelPasses.run` (for layouts the named passes below do not cover)."""
+    return passes.run(params, input_ids, state, num_causal=num_causal, logits_from=logits_from, coreset=coreset,
+                      coreset_top_p=coreset_top_p)
 
 
-@persistent_jit(static_argnames=("module", "coreset"))
-def run_denoise(module: CloverTransformer, params: Params, block_ids: jax.Array, state: ModelState, coreset: bool,
+@persistent_jit(static_argnames=("passes", "coreset"))
+def run_denoise(passes: ModelPasses, params: Params, block_ids: jax.Array, state: ModelState, coreset: bool,
                 coreset_top_p: jax.Array) -> BlockLogits:
     """A denoising forward that returns only its logits: the state is read, never copied out."""
-    out = module.apply({"params": params}, block_ids, state, 0, 0, coreset, coreset_top_p)
+    out = passes.denoise(params, block_ids, state, coreset=coreset, coreset_top_p=coreset_top_p)
     return BlockLogits(out.logits, out.distinct_experts)
 
 
-@persistent_jit(static_argnames=("module", "chunk_size", "logits"))
-def run_causal(module: CloverTransformer, params: Params, input_ids: jax.Array, state: ModelState,
+@persistent_jit(static_argnames=("passes", "coreset"))
+def run_commit_and_denoise(passes: ModelPasses, params: Params, commit_ids: jax.Array, block_ids: jax.Array,
+                           state: ModelState, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
+    """A commit fused with the next block's denoising forward: `ModelPasses.commit_and_denoise`, compiled."""
+    return passes.commit_and_denoise(params, commit_ids, block_ids, state, coreset=coreset,
+                                     coreset_top_p=coreset_top_p)
+
+
+@persistent_jit(static_argnames=("passes", "chunk_size", "logits"))
+def run_causal(passes: ModelPasses, params: Params, input_ids: jax.Array, state: ModelState,
                chunk_size: int, logits: str) -> tuple[jax.Array | None, ModelState]:
-    """Prefill / commit / forward: `clover_jax.chunked.causal_pass`, compiled."""
-    return causal_pass(module, params, input_ids, state, chunk_size, logits)
+    """Prefill / commit / forward: `ModelPasses.prefill`, compiled."""
+    return passes.prefill(params, input_ids, state, chunk_size=chunk_size, logits=logits)
 
 
 class CloverModel:
     """A Clover / Qwen3.5-MoE text model: config, parameters and validated entry points.
 
     Parameters are an explicit pytree; state is an explicit `ModelState`. `run_params` holds them
-    in the layout `module` runs with (per layer group on CPU, stacked on accelerators; see
-    `clover_jax.model`): pass `(model.module, model.run_params)` to pure functions. `params`
-    gives the canonical stacked tree (on CPU a stacked copy, made on each access).
+    in the layout the model runs with (per layer group on CPU, stacked on accelerators; see
+    `clover_jax.model`): pass `(model.passes, model.run_params)` to pure functions — `passes` is
+    the model's pass interface (`clover_jax.core.passes.ModelPasses`), `module` the Flax
+    `CloverTransformer` behind it. `params` gives the canonical stacked tree (on CPU a stacked
+    copy, made on each access).
     """
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
@@ -79,8 +89,8 @@ class CloverModel:
         self.plan = plan  # mesh and sharding rules; None: one device
         self.kernels = choose_kernels(impl)
         self.module = CloverTransformer(config, self.dtype, self.kernels, plan)
+        self.passes: ModelPasses = TransformerPasses(self.module)  # made once: compiled calls key on it
         self.params = params
-
 
     @property
     def params(self) -> Params:
@@ -165,7 +175,7 @@ class CloverModel:
         """Causal logits (docs/design.md §1). input_ids: int [batch, tokens] -> float32 [batch, tokens, vocab]."""
         ids = self.check_token_ids(input_ids, "input_ids")
         state = self.init_state(ids.shape[0], ids.shape[1])
-        return run_causal(self.module, self.run_params, self.place_batch(ids), state, self.chunk_size, "all")[0]
+        return run_causal(self.passes, self.run_params, self.place_batch(ids), state, self.chunk_size, "all")[0]
 
     def init_state(self, batch: int, capacity: int, start=None) -> ModelState:
         """An empty prefix state holding up to `capacity` rows; `start` (int [batch]) marks left padding."""
@@ -190,7 +200,7 @@ class CloverModel:
         self._check_room(state, ids.shape[1])
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-        return run_causal(self.module, self.run_params, self.place_batch(ids), state, self.chunk_size, logits)
+        return run_causal(self.passes, self.run_params, self.place_batch(ids), state, self.chunk_size, logits)
 
     # ------------------------------------------------------------------ block mode
     def denoise(self, state: ModelState, block_ids, coreset: bool | None = None,
@@ -203,7 +213,7 @@ class CloverModel:
         ids = self.check_token_ids(block_ids, "block_ids", state)
         self._check_room(state, ids.shape[1])
         coreset = self._coreset(coreset, coreset_top_p)
-        return run_denoise(self.module, self.run_params, self.place_batch(ids), state, coreset["coreset"],
+        return run_denoise(self.passes, self.run_params, self.place_batch(ids), state, coreset["coreset"],
                            np.float32(coreset["coreset_top_p"]))
 
     def commit_and_denoise(self, state: ModelState, commit_ids, block_ids, coreset: bool | None = None,
@@ -215,9 +225,9 @@ class CloverModel:
         commit = self.check_token_ids(commit_ids, "commit_ids", state)
         block = self.check_token_ids(block_ids, "block_ids", state)
         self._check_room(state, commit.shape[1] + block.shape[1])
-        ids = np.concatenate([commit, block], axis=1)
-        out = self._run(ids, state, num_causal=commit.shape[1], logits_from=commit.shape[1],
-                        **self._coreset(coreset, coreset_top_p))
+        coreset = self._coreset(coreset, coreset_top_p)
+        out = run_commit_and_denoise(self.passes, self.run_params, self.place_batch(commit), self.place_batch(block),
+                                     state, coreset["coreset"], jnp.float32(coreset["coreset_top_p"]))
         return BlockLogits(out.logits, out.distinct_experts), out.state
 
     def denoise_logits(self, prefix_ids, block_ids, coreset: bool | None = None,
@@ -237,10 +247,14 @@ class CloverModel:
         return self.denoise(state, block, coreset, coreset_top_p).logits
 
     # ------------------------------------------------------------------ helpers
-    def _run(self, ids: np.ndarray, state: ModelState, num_causal: int, logits_from: int,
-             coreset: bool = False, coreset_top_p: float = 1.0) -> PassOutput:
-        return run_pass(self.module, self.run_params, self.place_batch(ids), state, num_causal, logits_from, coreset,
-                        jnp.float32(coreset_top_p))
+    def check_memory(self, batch: int, capacity: int, block_size: int) -> None:
+        """Refuse, before compiling, a decode whose state (`capacity` rows) and activations do not
+        fit the device(s) (`clover_jax.memory.check_fits`)."""
+        # A causal pass never holds more rows than the context (a short prompt is not a whole chunk).
+        needed = memory.estimate_memory(self.config, batch, capacity, self.dtype, min(self.chunk_size, capacity),
+                                        block_size)
+        split = 1 if self.plan is None else self.plan.axis_size(self.plan.rules.batch)
+        memory.check_fits(needed, already_placed=needed.parameters, split=split)
 
     def place_batch(self, array) -> jax.Array:
         """A host [batch, ...] array on the device(s): split over the data axis on a mesh."""

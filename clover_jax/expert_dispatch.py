@@ -176,7 +176,7 @@ def grouped_expert_mlp(
     sorted_tokens = order // top_k
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
     matmul = lambda rows, weights: grouped_matmul_for_platform(
-        "cuda" if platform == "gpu" else platform, rows, weights, group_sizes,
+        platform, rows, weights, group_sizes,
         kernel="pallas" if platform == "cpu" else "auto", interpret=platform == "cpu")
     gate, up = jnp.split(matmul(tokens[sorted_tokens], gate_up_proj), 2, axis=-1)
     pair_outputs = matmul(jax.nn.silu(gate) * up, down_proj)  # rows of dropped pairs are 0

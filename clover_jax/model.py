@@ -20,38 +20,30 @@ block), so no pass copies a whole cache.
 One pass runs `num_causal` causal rows, which append to the state (prefill, commit, an
 autoregressive step), followed by block rows that are denoised against the state the causal
 rows leave (docs/design.md §3). `num_causal = tokens` is a causal pass, `num_causal = 0` a denoising
-forward, anything between a fused commit + denoise.
+forward, anything between a fused commit + denoise. Callers do not pick these numbers: they run
+the named passes of `TransformerPasses(module)` (the interface of `clover_jax.core.passes`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from clover_jax import rollback
 from clover_jax.attention import GatedAttention
 from clover_jax.config import CloverConfig
+from clover_jax.core.passes import ModelPasses, Params, PassOutput
 from clover_jax.gdn import GatedDeltaNet
 from clover_jax.kernels import KernelChoice
 from clover_jax.layers import RMSNorm, default_init
 from clover_jax.moe import SparseMoE
-from clover_jax.sharding import MeshPlan, constrain_batch
+from clover_jax.sharding import MeshPlan, constrain_batch, constrain_state
 from clover_jax.state import ModelState, Rows, empty_state, rows_for, slot_name
-
-Params = dict[str, Any]
-
-
-class PassOutput(NamedTuple):
-    """logits: float32 [batch, tokens - logits_from, vocab]; state: after the causal rows;
-    distinct_experts: int32 [num_layers, batch], experts used by the block rows of each layer."""
-
-    logits: jax.Array
-    state: ModelState
-    distinct_experts: jax.Array
-
 
 LAYER_LOOPS = ("scan", "unrolled")
 
@@ -159,6 +151,34 @@ class CloverTransformer(nn.Module):
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
         new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
         return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerPasses(ModelPasses):
+    """The pass interface (`clover_jax.core.passes`) of a `CloverTransformer`: what the decoders,
+    `CloverModel` and training are handed instead of the module. Hashable and named by its module,
+    so equal modules share compiled programs."""
+
+    module: CloverTransformer
+
+    @property
+    def config(self) -> CloverConfig:
+        return self.module.config
+
+    def run(self, params: Params, input_ids: jax.Array, state: ModelState, *, num_causal: int, logits_from: int,
+            coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+        return self.module.apply({"params": params}, input_ids, state, num_causal=num_causal,
+                                 logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p)
+
+    def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:
+        state = empty_state(self.module.config, batch, capacity, self.module.dtype, start)
+        return constrain_state(state, self.module.plan)
+
+    def recording(self, state: ModelState, rows: int) -> ModelState:
+        return rollback.recording(state, self.module.config, rows)
+
+    def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
+        return rollback.rolled_back(state, keep, rows)
 
 
 def unstack_groups(params: Params) -> Params:

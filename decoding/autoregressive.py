@@ -12,11 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.chunked import causal_pass
+from clover_jax.core.passes import ModelPasses
 from clover_jax.executable_cache import persistent_jit
-from clover_jax.model import CloverTransformer
-from clover_jax.sharding import constrain_state
-from clover_jax.state import empty_state
 from decoding.controls import Controls, TokenIds, choose, process
 
 
@@ -39,12 +36,13 @@ class AutoregressiveState(NamedTuple):
     index: jax.Array      # int32 []
 
 
-@persistent_jit(static_argnames=("module", "spec"))
-def run_autoregressive(module: CloverTransformer, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
+@persistent_jit(static_argnames=("passes", "spec"))
+def run_autoregressive(passes: ModelPasses, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
                        start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array,
                        controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
     """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches.
 
+    passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with;
     key: the call's PRNG key.
 
     Each iteration runs the forward of the latest token, then chooses the next one; the loop
@@ -52,10 +50,10 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
     runs and the state is never an output of a `lax.cond` (which would copy the caches).
     """
     batch = prompt_ids.shape[0]
-    vocab = module.config.vocab_size
-    model_state = empty_state(module.config, batch, spec.prompt_length + spec.max_new_tokens, module.dtype, start)
-    model_state = constrain_state(model_state, module.plan)
-    last_logits, model_state = causal_pass(module, params, prompt_ids, model_state, spec.chunk_size, "last")
+    vocab = passes.config.vocab_size
+    model_state = passes.new_state(batch, spec.prompt_length + spec.max_new_tokens, start)
+    last_logits, model_state = passes.prefill(params, prompt_ids, model_state, chunk_size=spec.chunk_size,
+                                              logits="last")
     initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros(batch, jnp.int32),
                                   jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
                                   jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),
@@ -81,7 +79,7 @@ def run_autoregressive(module: CloverTransformer, params: Any, spec: Autoregress
                               finished=finished, lengths=lengths, index=index + 1)
 
     def forward(state: AutoregressiveState) -> AutoregressiveState:
-        out = module.apply({"params": params}, state.token[:, None], state.model, 1, 0)
+        out = passes.causal(params, state.token[:, None], state.model)
         return state._replace(model=out.state, logits=out.logits[:, 0], nfe=state.nfe + ~state.finished)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.index < spec.max_new_tokens),

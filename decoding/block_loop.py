@@ -29,11 +29,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.chunked import causal_pass
+from clover_jax.core.passes import ModelPasses
 from clover_jax.executable_cache import persistent_jit
-from clover_jax.model import CloverTransformer
-from clover_jax.sharding import constrain_state
-from clover_jax.state import ModelState, empty_state
+from clover_jax.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process
 from decoding.schedules import StepView, as_decision
 
@@ -126,7 +124,7 @@ class LoopState(NamedTuple):
 class Decoder(NamedTuple):
     """Everything static or shared by the steps of one decode."""
 
-    module: CloverTransformer
+    passes: ModelPasses
     params: Any
     spec: LoopSpec
     request: Request
@@ -136,8 +134,8 @@ class Decoder(NamedTuple):
 
 # ---------------------------------------------------------------------- steps
 def _denoise_logits(d: Decoder, state: LoopState):
-    out = d.module.apply({"params": d.params}, state.block, state.model, 0, 0, d.spec.coreset,
-                         d.request.coreset_top_p)
+    out = d.passes.denoise(d.params, state.block, state.model, coreset=d.spec.coreset,
+                           coreset_top_p=d.request.coreset_top_p)
     return out.logits, out.distinct_experts
 
 
@@ -222,10 +220,9 @@ def _denoise_step(d: Decoder, state: LoopState) -> LoopState:
 
 def _commit_step(d: Decoder, state: LoopState) -> LoopState:
     """Commit the decided block and run the first denoising step of the next, in one forward."""
-    size = d.spec.block_size
     masks = jnp.full_like(state.block, d.ids.mask)
-    out = d.module.apply({"params": d.params}, jnp.concatenate([state.block, masks], axis=1), state.model, size,
-                         size, d.spec.coreset, d.request.coreset_top_p)
+    out = d.passes.commit_and_denoise(d.params, state.block, masks, state.model, coreset=d.spec.coreset,
+                                      coreset_top_p=d.request.coreset_top_p)
     none = jnp.zeros_like(state.decided)
     state = state._replace(model=out.state, block=masks, decided=none, fixed=none, block_iter=state.block_iter + 1,
                            step=jnp.zeros_like(state.step), open=~state.finished,
@@ -245,12 +242,11 @@ def _start(d: Decoder, track_steps: bool) -> LoopState:
     """The prefill; the first block's steps follow (`_finish_block`, or `next_step` one by one)."""
     spec, request = d.spec, d.request
     batch, size = request.first_block.shape
-    vocab = d.module.config.vocab_size
+    vocab = d.passes.config.vocab_size
     capacity = (spec.prefix_blocks + spec.max_blocks) * size
-    model_state = empty_state(d.module.config, batch, capacity, d.module.dtype, request.start)
-    model_state = constrain_state(model_state, d.module.plan)
+    model_state = d.passes.new_state(batch, capacity, request.start)
     if spec.prefix_blocks:
-        _, model_state = causal_pass(d.module, d.params, request.prefix_ids, model_state, spec.chunk_size)
+        _, model_state = d.passes.prefill(d.params, request.prefix_ids, model_state, chunk_size=spec.chunk_size)
     history = None
     if spec.history:
         steps = spec.max_steps
@@ -282,46 +278,50 @@ def _all_finished(state: LoopState) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- drivers
-_STATIC = ("module", "spec")
+# passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with
+# (`CloverModel.run_params`).
+_STATIC = ("passes", "spec")
 
 
 @persistent_jit(static_argnames=_STATIC)
-def run_block_decoder(module: CloverTransformer, params: Any, spec: LoopSpec, request: Request,
+def run_block_decoder(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request,
                       controls: Controls, ids: TokenIds) -> Results:
     """Prefill, then denoise and commit blocks until every sequence is finished: one program."""
-    d = Decoder(module, params, spec, request, controls, ids)
+    d = Decoder(passes, params, spec, request, controls, ids)
     state = _finish_block(d, _start(d, track_steps=False))
     state = jax.lax.while_loop(lambda s: ~_all_finished(s), lambda s: _finish_block(d, _commit_step(d, s)), state)
     return results(state)
 
 
 @persistent_jit(static_argnames=_STATIC)
-def start_blocks(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
+def start_blocks(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+                 ids: TokenIds) -> LoopState:
     """Prefill and decide the first block (host-driven decoding, one block per call)."""
-    d = Decoder(module, params, spec, request, controls, ids)
+    d = Decoder(passes, params, spec, request, controls, ids)
     return _finish_block(d, _start(d, track_steps=False))
 
 
 @persistent_jit(static_argnames=_STATIC, donate_argnames=("state",))
-def next_block(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
-               state: LoopState) -> LoopState:
+def next_block(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+               ids: TokenIds, state: LoopState) -> LoopState:
     """Commit the decided block and decide the next one."""
-    d = Decoder(module, params, spec, request, controls, ids)
+    d = Decoder(passes, params, spec, request, controls, ids)
     return _finish_block(d, _commit_step(d, state))
 
 
 @persistent_jit(static_argnames=_STATIC)
-def start_steps(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds) -> LoopState:
+def start_steps(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+                ids: TokenIds) -> LoopState:
     """Prefill and the first denoising step (host-driven decoding, one step per call)."""
-    d = Decoder(module, params, spec, request, controls, ids)
+    d = Decoder(passes, params, spec, request, controls, ids)
     return _denoise_step(d, _start(d, track_steps=True))
 
 
 @persistent_jit(static_argnames=_STATIC + ("commit",), donate_argnames=("state",))
-def next_step(module, params, spec: LoopSpec, request: Request, controls: Controls, ids: TokenIds,
-              state: LoopState, commit: bool) -> LoopState:
+def next_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+              ids: TokenIds, state: LoopState, commit: bool) -> LoopState:
     """One more forward: the next denoising step, or (`commit`) the commit fused with the next block's first."""
-    d = Decoder(module, params, spec, request, controls, ids)
+    d = Decoder(passes, params, spec, request, controls, ids)
     return _commit_step(d, state) if commit else _denoise_step(d, state)
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from clover_jax import compilation_cache, memory
+from clover_jax import compilation_cache
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
                                  start_blocks, start_steps)
@@ -271,7 +271,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
                     model.chunk_size)
 
     prefix_length = prefix_bucket * size
-    _check_memory(model, len(prompts), prefix_length + spec.max_blocks * size, size)
+    model.check_memory(len(prompts), prefix_length + spec.max_blocks * size, size)
     prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
     first_block = np.full((len(prompts), size), config.mask_token_id, np.int32)
     start = np.zeros(len(prompts), np.int32)
@@ -285,7 +285,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     request = Request(prefix_ids, first_block, fixed, start, (-tails).astype(np.int32), lengths.astype(np.int32),
                       np.full(len(prompts), new, np.int32), thinking, lengths - tails > 0, keys,
                       np.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config))
-    args = (model.module, model.run_params, spec, request, controls, ids)
+    args = (model.passes, model.run_params, spec, request, controls, ids)
     reporter = None
     if on_block is not None or streamer is not None or bar is not None:
         reporter = BlockReporter(prompts, tails, new, config.eos_token_id, on_block, streamer, bar)
@@ -356,16 +356,6 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
     return output
 
 
-def _check_memory(model, batch: int, capacity: int, block_size: int) -> None:
-    """Refuse, before compiling, a request whose state and activations do not fit the device."""
-    # A causal pass never holds more rows than the context (a short prompt is not a whole chunk).
-    needed = memory.estimate_memory(model.config, batch, capacity, model.dtype, min(model.chunk_size, capacity),
-                                    block_size)
-    plan = model.plan
-    memory.check_fits(needed, already_placed=needed.parameters,
-                      split=1 if plan is None else plan.axis_size(plan.rules.batch))
-
-
 def _coreset(model, config: GenerationConfig) -> bool:
     return model.config.moe_block_coreset_enabled if config.coreset is None else bool(config.coreset)
 
@@ -376,12 +366,12 @@ def _generate_autoregressive(model, prompts, config, key, controls, ids, thinkin
     prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
     spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), config.do_sample,
                               model.chunk_size)
-    _check_memory(model, len(prompts), prompt_length + spec.max_new_tokens, 1)
+    model.check_memory(len(prompts), prompt_length + spec.max_new_tokens, 1)
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt
     tokens, generated, nfe = jax.device_get(run_autoregressive(
-        model.module, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
+        model.passes, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
         np.full(len(prompts), config.max_new_tokens, np.int32), thinking, key, controls, ids))
     output = GenerateOutput([], [], [], [], [], 0.0, None)
     for i in range(len(prompts)):
@@ -403,13 +393,13 @@ def _generate_self_speculative(model, prompts, config, controls, ids, thinking,
     prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
     spec = SpeculativeSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), size,
                            _coreset(model, config), return_trajectory, model.chunk_size)
-    _check_memory(model, len(prompts), prompt_length + spec.max_new_tokens + size, size)
+    model.check_memory(len(prompts), prompt_length + spec.max_new_tokens + size, size)
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):
         prompt_ids[i, prompt_length - len(prompt):] = prompt
     coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
     final = jax.device_get(run_self_speculative(
-        model.module, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
+        model.passes, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
         np.full(len(prompts), config.max_new_tokens, np.int32), thinking, np.float32(coreset_top_p), controls, ids))
     output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
     for i in range(len(prompts)):

@@ -42,12 +42,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.chunked import causal_pass
+from clover_jax.core.passes import ModelPasses
 from clover_jax.executable_cache import persistent_jit
-from clover_jax.model import CloverTransformer
-from clover_jax.rollback import recording, rolled_back
-from clover_jax.sharding import constrain_state
-from clover_jax.state import ModelState, empty_state
+from clover_jax.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process
 
 
@@ -127,20 +124,21 @@ def causal_choices(logits: jax.Array, drafts: jax.Array, counts: jax.Array, leng
     return tokens.T
 
 
-@persistent_jit(static_argnames=("module", "spec"))
-def run_self_speculative(module: CloverTransformer, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array,
+@persistent_jit(static_argnames=("passes", "spec"))
+def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array,
                          start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array,
                          coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
     """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
 
     prompt_ids: int32 [b, prompt_length], left padded (`start` [b]: first real row);
-    max_new_tokens: int32 [b]; prompt_thinking: bool [b]; coreset_top_p: float32 [].
+    max_new_tokens: int32 [b]; prompt_thinking: bool [b]; coreset_top_p: float32 [];
+    passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with.
     """
     batch, size = prompt_ids.shape[0], spec.block_size
-    vocab, limit = module.config.vocab_size, spec.max_new_tokens
+    vocab, limit = passes.config.vocab_size, spec.max_new_tokens
     capacity = spec.prompt_length + spec.max_new_tokens + size
-    model_state = constrain_state(empty_state(module.config, batch, capacity, module.dtype, start), module.plan)
-    _, model_state = causal_pass(module, params, prompt_ids[:, :-1], model_state, spec.chunk_size)
+    model_state = passes.new_state(batch, capacity, start)
+    _, model_state = passes.prefill(params, prompt_ids[:, :-1], model_state, chunk_size=spec.chunk_size)
     model_state = model_state._replace(length=jnp.broadcast_to(model_state.length, (batch,)))
     rounds = None
     if spec.trajectory:
@@ -155,11 +153,13 @@ def run_self_speculative(module: CloverTransformer, params: Any, spec: Speculati
     def one_round(s: SpeculativeState) -> SpeculativeState:
         active = ~s.finished
         rows = jnp.arange(size)
-        block = jnp.concatenate([s.pending[:, None], jnp.full((batch, size), ids.mask, jnp.int32)], axis=1)
-        draft = module.apply({"params": params}, block, s.model, 1, 0, spec.coreset, coreset_top_p)
+        masks = jnp.full((batch, size), ids.mask, jnp.int32)
+        # the pending token's row (appended) and its logits, then the masked block's
+        draft = passes.commit_and_denoise(params, s.pending[:, None], masks, s.model, coreset=spec.coreset,
+                                          coreset_top_p=coreset_top_p, committed_logits=True)
         thinking = thinking_open(s.counts, prompt_thinking, ids)
         drafts = greedy_processed(draft.logits[:, 1:], s.counts, s.lengths[:, None] + rows, thinking, controls, ids)
-        verify = module.apply({"params": params}, drafts, recording(draft.state, module.config, size), size, 0)
+        verify = passes.recording_causal(params, drafts, draft.state)
         logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
         choices = causal_choices(logits, drafts, s.counts, s.lengths, prompt_thinking, controls, ids)
         accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
@@ -177,7 +177,7 @@ def run_self_speculative(module: CloverTransformer, params: Any, spec: Speculati
         lengths = s.lengths + emitted
         finished = s.finished | (active & ((through_eos <= emitted) | (lengths >= max_new_tokens)))
 
-        model = rolled_back(verify.state, jnp.where(active, accepted, 0), size)
+        model = passes.rolled_back(verify.state, jnp.where(active, accepted, 0), size)
         model = model._replace(length=jnp.where(active, model.length, s.model.length))  # finished: frozen
         pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
         distinct = s.distinct_experts.at[:, s.round].set(

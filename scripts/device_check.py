@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     interpret = platform == "cpu"
     shapes = SMALL if args.small or interpret else REAL
     kernels = [check_gdn(shapes, interpret, args.repeats)]
-    kernels += check_grouped_matmuls(shapes, "cuda" if platform == "gpu" else platform, interpret, args.repeats)
+    kernels += check_grouped_matmuls(shapes, platform, interpret, args.repeats)
     result = {"device": f"{jax.devices()[0].device_kind} ({platform})", "small": shapes is SMALL,
               "date": datetime.date.today().isoformat(), "jax": jax.__version__, "kernels": kernels,
               "decoding": check_decoding(shapes, args.groups, args.repeats),

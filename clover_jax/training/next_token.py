@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.model import CloverTransformer, Params
+from clover_jax.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.state import empty_state
 
 
@@ -36,7 +36,7 @@ def causal_logits(module: CloverTransformer, params: Params, sequence_ids: jax.A
     """float32 [b, S, V]: every row's causal logits. sequence_ids: int [b, S], left-padded; sequence_start: int [b]."""
     batch, width = sequence_ids.shape
     state = empty_state(module.config, batch, width, module.dtype, sequence_start)
-    return module.apply({"params": params}, sequence_ids, state, width, 0).logits
+    return TransformerPasses(module).causal(params, sequence_ids, state).logits
 
 
 def next_token_cross_entropy(logits: jax.Array, sequence_ids: jax.Array,

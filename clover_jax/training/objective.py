@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.model import CloverTransformer, Params
+from clover_jax.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.state import empty_state
 from clover_jax.training.batches import TrainBatch
 from clover_jax.training.next_token import NextTokenParts, next_token_loss
@@ -99,8 +99,8 @@ def block_logits(module: CloverTransformer, params: Params, prefix_ids: jax.Arra
     """float32 [b, B, V]: one pass, the prefix causal (from an empty state) then the block."""
     batch, width = prefix_ids.shape
     state = empty_state(module.config, batch, width, module.dtype, start)
-    ids = jnp.concatenate([prefix_ids, block_ids], axis=1)
-    return module.apply({"params": params}, ids, state, width, width, coreset, coreset_top_p).logits
+    return TransformerPasses(module).commit_and_denoise(params, prefix_ids, block_ids, state, coreset=coreset,
+                                                        coreset_top_p=coreset_top_p).logits
 
 
 def block_diffusion_loss(params: Params, module: CloverTransformer, batch: TrainBatch, key: jax.Array,

@@ -83,8 +83,8 @@ def test_prefix_rows_do_not_see_block_tokens_and_block_rows_see_later_ones(clove
 
     def one_pass(block):  # 12 causal rows then the block, logits for every row
         ids = jnp.asarray(np.concatenate([prefix, block], axis=1))
-        return clover_model_module.run_pass(clover.module, clover.params, ids, state, 12, 0, True,
-                                            jnp.float32(0.9)).logits
+        return clover_model_module.run_pass(clover.passes, clover.params, ids, state, num_causal=12,
+                                            logits_from=0, coreset=True, coreset_top_p=jnp.float32(0.9)).logits
 
     a, b = one_pass(first), one_pass(second)
     np.testing.assert_array_equal(a[:, :12], b[:, :12])
@@ -120,14 +120,14 @@ def test_fused_commit_and_denoise_equals_doing_both_in_turn(clover):
 def test_denoising_steps_do_not_recompile(clover):
     state = clover.init_state(2, 32)
     clover.denoise(state, block_ids(0))  # compile once for (batch 2, block 8, capacity 32)
-    compiled = clover_model_module.run_pass._cache_size()
+    compiled = lambda: (clover_model_module.run_denoise._cache_size(), clover_model_module.run_causal._cache_size())
     for step in range(3):
         _, state = clover.extend(state, token_ids(2, 4, MASK_ID, seed=step), logits="none")
-        if step == 0:
-            compiled = clover_model_module.run_pass._cache_size()  # plus the 4-token causal pass
         for block_seed in range(3):
             clover.denoise(state, block_ids(block_seed + step), coreset_top_p=0.5 + 0.1 * block_seed)
-    assert clover_model_module.run_pass._cache_size() == compiled
+        if step == 0:
+            before = compiled()  # the denoising pass and the 4-token causal pass
+    assert compiled() == before
 
 
 def test_clover_tensors_load_and_defaults_are_logged(clover, clover_checkpoint, qwen36_checkpoint, caplog):

@@ -10,7 +10,7 @@ import pytest
 from clover_jax import CloverModel
 from clover_jax.clover_model import run_pass
 from clover_jax.kernels import KernelChoice
-from clover_jax.model import CloverTransformer
+from clover_jax.model import CloverTransformer, TransformerPasses
 from clover_jax.rollback import recording, rolled_back
 from clover_jax.state import GDNState, KVCache, RecordingGDN, empty_state
 from tests.conftest import token_ids
@@ -28,22 +28,23 @@ def tied(tied_checkpoint):
     return CloverModel.from_pretrained(tied_checkpoint, progress=False)
 
 
-def module_and_params(model: CloverModel, layer_loop: str):
+def passes_and_params(model: CloverModel, layer_loop: str):
     if layer_loop == model.kernels.layer_loop:
-        return model.module, model.run_params
-    module = CloverTransformer(model.config, model.dtype, KernelChoice(layer_loop=layer_loop))
-    return module, model.params  # the scanned loop runs on stacked parameters
+        return model.passes, model.run_params
+    passes = TransformerPasses(CloverTransformer(model.config, model.dtype, KernelChoice(layer_loop=layer_loop)))
+    return passes, model.params  # the scanned loop runs on stacked parameters
 
 
-def causal(module, params, ids, state, coreset: bool = False):
-    return run_pass(module, params, ids, state, ids.shape[1], 0, coreset, np.float32(1.0))
+def causal(passes, params, ids, state, coreset: bool = False):
+    return run_pass(passes, params, ids, state, num_causal=ids.shape[1], logits_from=0, coreset=coreset,
+                    coreset_top_p=np.float32(1.0))
 
 
 @pytest.mark.parametrize("which, layer_loop", [("clover", "unrolled"), ("clover", "scan"), ("tied", "unrolled")])
 def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_loop):
     model = request.getfixturevalue(which)
     config = model.config
-    module, params = module_and_params(model, layer_loop)
+    passes, params = passes_and_params(model, layer_loop)
     batch = ROWS + 1
     keep = np.arange(batch, dtype=np.int32)           # sequence b keeps b rows
     start = np.array([b % 3 for b in range(batch)], np.int32)  # left padding on most sequences
@@ -54,8 +55,8 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
     capacity = PREFIX + ROWS + NEXT
 
     # Prefix, a recording pass over ROWS drafted rows, then each sequence rolled back to its own k.
-    state = causal(module, params, prefix, empty_state(config, batch, capacity, model.dtype, start)).state
-    verified = causal(module, params, drafts, recording(state, config, ROWS)).state
+    state = causal(passes, params, prefix, empty_state(config, batch, capacity, model.dtype, start)).state
+    verified = causal(passes, params, drafts, recording(state, config, ROWS)).state
     assert all(isinstance(layer, RecordingGDN) for layer in verified.layers.values()
                if not isinstance(layer, KVCache))
     rolled = jax.jit(rolled_back, static_argnums=2)(verified, keep, ROWS)
@@ -66,7 +67,7 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
     for b in range(batch):
         kept = np.concatenate([prefix[b, start[b]:], drafts[b, :keep[b]]])
         fresh_ids[b, fresh_start[b]:] = kept
-    fresh = causal(module, params, fresh_ids, empty_state(config, batch, capacity, model.dtype, fresh_start)).state
+    fresh = causal(passes, params, fresh_ids, empty_state(config, batch, capacity, model.dtype, fresh_start)).state
 
     np.testing.assert_array_equal(rolled.length, PREFIX + keep)
     for name, ours in rolled.layers.items():
@@ -85,8 +86,9 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
 
     # What the next pass sees: rolled-back rows are masked and overwritten, per sequence. One
     # causal row appended at each sequence's own fill, then block rows reading the prefix.
-    after_rolled = run_pass(module, params, following, rolled, 1, 0, True, np.float32(0.9))
-    after_fresh = run_pass(module, params, following, fresh, 1, 0, True, np.float32(0.9))
+    after = lambda state: run_pass(passes, params, following, state, num_causal=1, logits_from=0, coreset=True,
+                                   coreset_top_p=np.float32(0.9))
+    after_rolled, after_fresh = after(rolled), after(fresh)
     np.testing.assert_allclose(after_rolled.logits, after_fresh.logits, **LOGITS)
     np.testing.assert_array_equal(after_rolled.state.length, PREFIX + keep + 1)
 
@@ -94,4 +96,4 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
 def test_a_record_of_the_wrong_length_is_refused(clover):
     state = empty_state(clover.config, 1, 8, clover.dtype)
     with pytest.raises(ValueError, match="the record holds 3 rows but the pass has 2 causal rows"):
-        causal(clover.module, clover.run_params, np.zeros((1, 2), np.int32), recording(state, clover.config, 3))
+        causal(clover.passes, clover.run_params, np.zeros((1, 2), np.int32), recording(state, clover.config, 3))

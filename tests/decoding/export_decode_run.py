@@ -48,7 +48,7 @@ def main(out_path: str) -> None:
 
     from clover_jax import CloverConfig, MeshPlan, make_mesh
     from clover_jax.kernels import KernelChoice
-    from clover_jax.model import CloverTransformer
+    from clover_jax.model import CloverTransformer, TransformerPasses
     from clover_jax.param_layout import flat_layout
     from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
     from decoding.block_loop import LoopSpec, Request, run_block_decoder
@@ -77,15 +77,15 @@ def main(out_path: str) -> None:
         # softmax here; the GDN rule and the routed experts take the Pallas kernels.
         kernels = KernelChoice(attention="online", gdn="pallas", moe="pallas", platform=kernel_platform,
                                layer_loop="scan")
-        module = CloverTransformer(config, jnp.bfloat16, kernels, plan)
+        passes = TransformerPasses(CloverTransformer(config, jnp.bfloat16, kernels, plan))
         disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
         exports = {
             "block_diffusion": lambda: jax.export.export(run_block_decoder.jitted, platforms=[platform],
                                                          disabled_checks=disabled)(
-                module, params, loop_spec, request, controls, ids),
+                passes, params, loop_spec, request, controls, ids),
             "autoregressive": lambda: jax.export.export(run_autoregressive.jitted, platforms=[platform],
                                                         disabled_checks=disabled)(
-                module, params, ar_spec, batched((BATCH, PREFIX_BLOCKS * BLOCK), i32), batched((BATCH,), i32),
+                passes, params, ar_spec, batched((BATCH, PREFIX_BLOCKS * BLOCK), i32), batched((BATCH,), i32),
                 batched((BATCH,), i32), batched((BATCH,), bool), key, controls, ids),
         }
         for name, export in exports.items():
