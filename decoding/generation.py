@@ -35,7 +35,7 @@ from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
                                  start_blocks, start_steps)
 from decoding.controls import Controls, TokenIds
-from decoding.generation_config import GenerationConfig, think_tokens_from_tokenizer
+from decoding.generation_config import GenerationConfig
 from decoding.speculative import SpeculativeSpec, run_self_speculative
 from decoding.schedules import resolve, resolve_params
 from decoding.streaming import BlockListener, BlockReporter
@@ -161,23 +161,15 @@ def _model_defaults(model) -> GenerationConfig:
     cached = _DEFAULTS.get(model)
     if cached is None or cached[0] != path:
         base = GenerationConfig.from_pretrained(path) if path else GenerationConfig.for_model_type(
-            model.config.model_type, eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
+            model.config.model_type)
         cached = (path, _completed(model, base))
         _DEFAULTS[model] = cached
     return cached[1]
 
 
 def _completed(model, config: GenerationConfig) -> GenerationConfig:
-    """Fill what a generation config leaves out from the tokenizer (think ids) and config.json (mask, EOS)."""
-    path = getattr(model, "path", None)
-    if path and (config.think_start_token_id is None or config.think_end_token_id is None):
-        found = think_tokens_from_tokenizer(path)
-        config = config.replace(**{key: value for key, value in found.items() if getattr(config, key) is None})
-    if config.mask_token_id is None and model.config.mask_token_id is not None:
-        config = config.replace(mask_token_id=model.config.mask_token_id)
-    if not config.eos_token_id and model.config.eos_token_id:
-        config = config.replace(eos_token_id=model.config.eos_token_id)
-    return config
+    """The special token ids a generation config leaves out, from config.json and the tokenizer."""
+    return config.with_token_ids(model.config, getattr(model, "path", None))
 
 
 def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:

@@ -232,7 +232,7 @@ def _base_config(model, generation_config: GenerationConfig | None, overrides: M
     if generation_config is None:
         path = getattr(model, "path", None)
         generation_config = GenerationConfig.from_pretrained(path) if path else GenerationConfig.for_model_type(
-            model.config.model_type, eos_token_id=model.config.eos_token_id, mask_token_id=model.config.mask_token_id)
+            model.config.model_type).with_token_ids(model.config)
     return generation_config.replace(**overrides)
 
 

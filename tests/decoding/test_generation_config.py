@@ -149,3 +149,20 @@ def test_generate_refuses_them_before_compute(peaked, controls_config, monkeypat
     with pytest.raises(ValueError, match=message):
         generate(peaked, [[1, 2]], controls_config, **overrides)
     assert calls == []
+
+
+def test_special_token_ids_come_from_generation_config_then_config_json_then_the_tokenizer(clover_checkpoint, tmp_path):
+    from clover_jax.config import CloverConfig
+    from decoding.generation_config import resolve_token_ids
+
+    tokenizer = {"added_tokens": [{"content": "<think>", "id": 20}, {"content": "</think>", "id": 21}]}
+    directory = checkpoint_with(tmp_path, clover_checkpoint, {"mask_token_id": 9, "think_end_token_id": 30}, tokenizer)
+    model_config = CloverConfig.from_pretrained(directory)
+    loaded = GenerationConfig.from_pretrained(directory)
+    assert (loaded.mask_token_id, loaded.eos_token_id) == (9, model_config.eos_token_id)
+    assert (loaded.think_start_token_id, loaded.think_end_token_id) == (20, 30)
+    assert resolve_token_ids({}, model_config) == {
+        "eos_token_id": model_config.eos_token_id, "mask_token_id": model_config.mask_token_id,
+        "think_start_token_id": None, "think_end_token_id": None}
+    completed = GenerationConfig.for_model_type("clover_moe").with_token_ids(model_config, directory)
+    assert (completed.mask_token_id, completed.think_start_token_id) == (model_config.mask_token_id, 20)
