@@ -169,7 +169,7 @@ def backbone_view_for_transformers(clover_dir: str, target: str) -> str:
     linked, not copied. The Clover block-mode tensors are unexpected keys to transformers and are
     ignored by it (they are not part of the causal backbone)."""
     os.makedirs(target, exist_ok=True)
-    from clover_jax.config import read_text_model_fields
+    from clover_jax.core.config import read_text_model_fields
 
     config = read_text_model_fields(clover_dir)
     for key in ("mask_token_id", "moe_block_coreset_enabled", "moe_block_coreset_top_p", "architectures",

@@ -5,8 +5,8 @@ On a tiny random Clover checkpoint (written once by the parent), each measuremen
 call" runs in a fresh subprocess, so nothing is shared through memory:
   * `cold`: caches off (`CLOVER_JAX_CACHE_DIR=""`) — the first `generate` call traces, lowers and
     compiles;
-  * `persistent_cache`: the default caches (`clover_jax.compilation_cache`: JAX's persistent
-    compilation cache and the compiled decoders of `clover_jax.executable_cache`) in a directory
+  * `persistent_cache`: the default caches (`clover_jax.core.compilation_cache`: JAX's persistent
+    compilation cache and the compiled decoders of `clover_jax.core.executable_cache`) in a directory
     filled beforehand by an untimed child running the same call;
   * `warm`: the second identical call in the same process (jit's in-memory cache).
 

@@ -1,4 +1,4 @@
-"""Bytes read and FLOPs of one forward pass, from a `CloverConfig` (shapes from `clover_jax.param_layout`).
+"""Bytes read and FLOPs of one forward pass, from a `CloverConfig` (shapes from `clover_jax.core.param_layout`).
 
 A pass of `causal` causal rows then `block` block rows per sequence, after a prefix of `prefix`
 tokens, reads at least once:
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from clover_jax.config import CloverConfig
-from clover_jax.param_layout import flat_layout
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout
 
 
 def parameter_groups(config: CloverConfig) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 What it does:
 
-* GDN chunked rule, forward: `pallas_kernels.gdn_chunk` against `clover_jax.gated_delta.
+* GDN chunked rule, forward: `pallas_kernels.gdn_chunk` against `clover_jax.nn.gated_delta.
   chunked_gated_delta_rule` (the XLA path the model uses) and `gdn_chunk_reference` (token by
   token, the oracle).
 * Routed-expert grouped matmul at the gate_up and down shapes: `pallas_kernels.grouped_matmul`
@@ -125,11 +125,11 @@ def bench_gdn(shapes, dtype, accelerator, repeats, peak):
         results.append(entry("pallas gdn_chunk", lambda *a: gdn_chunk(*a, interpret=False), args, repeats,
                              flops, bytes_moved, peak))
     try:
-        from clover_jax.gated_delta import chunked_gated_delta_rule
-        results.append(entry("xla clover_jax.gated_delta.chunked_gated_delta_rule", chunked_gated_delta_rule, args,
+        from clover_jax.nn.gated_delta import chunked_gated_delta_rule
+        results.append(entry("xla clover_jax.nn.gated_delta.chunked_gated_delta_rule", chunked_gated_delta_rule, args,
                              repeats, flops, bytes_moved, peak))
     except ImportError as error:
-        results.append({"name": "xla clover_jax.gated_delta.chunked_gated_delta_rule", "error": repr(error)})
+        results.append({"name": "xla clover_jax.nn.gated_delta.chunked_gated_delta_rule", "error": repr(error)})
     results.append(entry("oracle gdn_chunk_reference (token by token)", gdn_chunk_reference, args, repeats,
                          flops, bytes_moved, peak))
     return {"shapes": {k: shapes[k] for k in ("batch", "tokens", "key_heads", "value_heads", "head_dim")},

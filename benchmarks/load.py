@@ -91,7 +91,7 @@ def config_dict(num_groups: int) -> dict:
 
 def checkpoint_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name the loader requires for this config.json dict, with its checkpoint shape."""
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from weights.name_table import expected_placements
 
     placements = expected_placements(CloverConfig.from_dict(raw_config))
@@ -226,7 +226,7 @@ def child_load(directory: str) -> None:
     """In a fresh process: load the checkpoint once, print timing and memory as one JSON line."""
     import jax
 
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from weights import load_params
 
     config = CloverConfig.from_pretrained(directory)

@@ -53,7 +53,7 @@ def child_load(kind: str, directory: str) -> None:
     """Load `directory` once as `kind` ("hf" or "orbax"); print timing and memory as one JSON line."""
     import jax
 
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from weights import load_orbax_params, load_params
 
     config = CloverConfig.from_pretrained(directory)

@@ -1,5 +1,5 @@
 """MoE layer time against the number of experts, at fixed top-k and tokens, two implementations
-side by side: clover's tiled XLA dispatch (`clover_jax.expert_dispatch.routed_expert_mlp`, what
+side by side: clover's tiled XLA dispatch (`clover_jax.nn.expert_dispatch.routed_expert_mlp`, what
 the model runs on CPU) and `jax.lax.ragged_dot` (sort by expert, two ragged matmuls).
 
 The layer timed is the router (`softmax(x Wᵀ)`, top-k, renormalised) plus the routed experts;
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from clover_jax.expert_dispatch import routed_expert_mlp  # noqa: E402
+from clover_jax.nn.expert_dispatch import routed_expert_mlp  # noqa: E402
 
 
 def route(x, router, top_k):

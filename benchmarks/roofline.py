@@ -42,7 +42,7 @@ import dataclasses
 import json
 import math
 
-from clover_jax.config import CloverConfig
+from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import STACK_EXPERTS, param_rows
 
 MODEL = CloverConfig(

@@ -49,7 +49,7 @@ def child_load(kind: str, directory: str, process: int, processes: int, port: in
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
                                    process_id=process)
     from clover_jax import MeshPlan, make_mesh
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from weights import load_orbax_params, load_params
 
     config = CloverConfig.from_pretrained(directory)

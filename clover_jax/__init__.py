@@ -10,27 +10,31 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clover_jax import _moved
+
 _EXPORTS = {
-    "CloverModel": "clover_jax.clover_model",
-    "CloverConfig": "clover_jax.config",
-    "ConfigError": "clover_jax.config",
-    "choose_kernels": "clover_jax.kernels",
-    "plan": "clover_jax.planner",
-    "QuantSpec": "clover_jax.quantization",
-    "MeshPlan": "clover_jax.sharding",
-    "ShardingRules": "clover_jax.sharding",
-    "make_mesh": "clover_jax.sharding",
+    "CloverModel": "clover_jax.api.clover_model",
+    "CloverConfig": "clover_jax.core.config",
+    "ConfigError": "clover_jax.core.config",
+    "choose_kernels": "clover_jax.core.kernels",
+    "plan": "clover_jax.parallel.planner",
+    "QuantSpec": "clover_jax.core.quantization",
+    "MeshPlan": "clover_jax.parallel.sharding",
+    "ShardingRules": "clover_jax.parallel.sharding",
+    "make_mesh": "clover_jax.parallel.sharding",
 }
 
 __all__ = sorted([*_EXPORTS, "bundled_model_path"])
 
+_moved.install()  # old module paths (clover_jax.model, ...) keep working for one release
+
 if TYPE_CHECKING:
-    from clover_jax.clover_model import CloverModel
-    from clover_jax.config import CloverConfig, ConfigError
-    from clover_jax.kernels import choose_kernels
-    from clover_jax.planner import plan
-    from clover_jax.quantization import QuantSpec
-    from clover_jax.sharding import MeshPlan, ShardingRules, make_mesh
+    from clover_jax.api.clover_model import CloverModel
+    from clover_jax.core.config import CloverConfig, ConfigError
+    from clover_jax.core.kernels import choose_kernels
+    from clover_jax.parallel.planner import plan
+    from clover_jax.core.quantization import QuantSpec
+    from clover_jax.parallel.sharding import MeshPlan, ShardingRules, make_mesh
 
 
 def bundled_model_path() -> Path:

@@ -1,7 +1,7 @@
-"""`python -m clover_jax ...` is the `clover-jax` command line (clover_jax/cli.py)."""
+"""`python -m clover_jax ...` is the `clover-jax` command line (clover_jax/api/cli.py)."""
 
 import sys
 
-from clover_jax.cli import main
+from clover_jax.api.cli import main
 
 sys.exit(main())

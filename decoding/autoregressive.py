@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
-from clover_jax.executable_cache import persistent_jit
+from clover_jax.core.executable_cache import persistent_jit
 from decoding.controls import Controls, TokenIds, choose, process
 
 

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
-from clover_jax.executable_cache import persistent_jit
-from clover_jax.state import ModelState
+from clover_jax.core.executable_cache import persistent_jit
+from clover_jax.core.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process
 from decoding.schedules import StepView, as_decision
 

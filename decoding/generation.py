@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from clover_jax import compilation_cache
+from clover_jax.core import compilation_cache
 from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
                                  start_blocks, start_steps)

@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from clover_jax.config import CloverConfig
-from clover_jax.hub import resolve_checkpoint
-from clover_jax.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.hub import resolve_checkpoint
+from clover_jax.core.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
 from decoding import schedules
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class GenerationConfig:
                         **overrides: Any) -> "GenerationConfig":
         """Read `generation_config.json` (optional) with the defaults of the checkpoint's model type.
 
-        path: a checkpoint directory or a Hub id ("org/name", at `revision`; `clover_jax.hub`).
+        path: a checkpoint directory or a Hub id ("org/name", at `revision`; `clover_jax.core.hub`).
         """
         path = os.fspath(resolve_checkpoint(path, revision, require=("config.json",)))
         model_config = CloverConfig.from_pretrained(path)  # config.json, read and checked in one place

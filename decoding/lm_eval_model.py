@@ -54,7 +54,7 @@ class CloverLM(LM):
                  think_end_token: str | None = None, seed: int = 0, **options: Any):
         super().__init__()
         from clover_jax import CloverModel
-        from clover_jax.tokenization import Tokenizer
+        from clover_jax.api.tokenization import Tokenizer
 
         if not pretrained:
             raise ValueError("clover-jax needs model_args='pretrained=PATH' (a checkpoint directory)")

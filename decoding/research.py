@@ -240,7 +240,7 @@ def _load_task(model, task: "Task | str | os.PathLike", tokenizer) -> Task:
     if isinstance(task, Task):
         return task
     if tokenizer is None:
-        from clover_jax.tokenization import Tokenizer
+        from clover_jax.api.tokenization import Tokenizer
 
         path = getattr(model, "path", None)
         if path is None:

@@ -9,7 +9,7 @@ prompt's last token), not yet in the state. One round, in lockstep over the batc
    rows right after it. The causal row's logits are the autoregressive logits of the next
    position; the masked rows' greedy candidates after `process` (docs/design.md §4, counts = the response
    so far) are the drafts d_0 … d_{B-1}.
-2. **Verify** — one recording causal pass over the drafts (`clover_jax.rollback`).
+2. **Verify** — one recording causal pass over the drafts (`clover_jax.nn.rollback`).
 3. **Accept** — c_j, the token autoregressive decoding would emit at draft position j if
    d_0 … d_{j-1} were accepted: the greedy choice of `process`(causal logits of the row before
    position j, counts + d_0 … d_{j-1}, response index of j). With a = the number of leading j
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
-from clover_jax.executable_cache import persistent_jit
-from clover_jax.state import ModelState
+from clover_jax.core.executable_cache import persistent_jit
+from clover_jax.core.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process
 
 

@@ -1,6 +1,6 @@
 """Chunked gated delta rule (forward) as a Pallas kernel.
 
-Same arguments and results as `clover_jax.gated_delta.chunked_gated_delta_rule`; the math of
+Same arguments and results as `clover_jax.nn.gated_delta.chunked_gated_delta_rule`; the math of
 one chunk is in `gdn_chunk_step.py`. The columns of the state `S [key_dim, value_dim]` evolve
 independently, so the grid is (batch, value head, value-dim tile) and each program carries a
 float32 `[key_dim, value_block]` slice of one head's state through the chunks in order:

@@ -13,7 +13,7 @@ With `cum_i = Σ_{j≤i} g_j` inside the chunk, the chunk's tokens update the st
     out    = (q ⊙ exp(cum)) S + lower(q kᵀ ⊙ exp(cum_i − cum_j)) δ
     S_next = exp(cum_last) S + (k ⊙ exp(cum_last − cum))ᵀ δ
 
-which is `clover_jax.gated_delta.chunked_gated_delta_rule` for one chunk of one value tile.
+which is `clover_jax.nn.gated_delta.chunked_gated_delta_rule` for one chunk of one value tile.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 `jax.default_backend()` and `Device.platform` say). JAX lowers for a GPU under the names
 ``"cuda"`` and ``"rocm"`` (`jax.export(platforms=[...])`, `jax.lax.platform_dependent`);
 wherever a platform is passed in, those are accepted and mean ``"gpu"`` (`platform_name`).
-`clover_jax.kernels` speaks the same vocabulary.
+`clover_jax.core.kernels` speaks the same vocabulary.
 
 Each kernel here has two drivers around the same math, named for the platform they are for:
 

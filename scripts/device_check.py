@@ -10,7 +10,7 @@ Checks (each a row of the JSON and the Markdown):
   * `gdn_chunk` against `gdn_chunk_reference` (the gated delta rule token by token): 2048 tokens,
     16 key / 32 value heads of 128, bfloat16 inputs, float32 state; max abs difference of the
     outputs and the final state, relative to their scale, and the kernel's median time against
-    the XLA chunked rule's (`clover_jax.gated_delta`);
+    the XLA chunked rule's (`clover_jax.nn.gated_delta`);
   * `grouped_matmul` against `grouped_matmul_reference` (`jax.lax.ragged_dot`): 4096 routed rows,
     hidden 2048, 256 experts of intermediate 512 (gate_up and down), with and without a coreset of
     64 active experts; and `grouped_matmul_for_platform` (megablox on TPU); times beside ragged_dot;
@@ -60,8 +60,8 @@ def check_gdn(shapes: dict, interpret: bool, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.gated_delta import chunked_gated_delta_rule
-    from clover_jax.layers import l2_normalize
+    from clover_jax.nn.gated_delta import chunked_gated_delta_rule
+    from clover_jax.nn.layers import l2_normalize
     from pallas_kernels import gdn_chunk, gdn_chunk_reference
 
     keys = jax.random.split(jax.random.key(0), 6)
@@ -130,7 +130,7 @@ def random_model(shapes: dict, groups: int, dtype):
     import jax.numpy as jnp
 
     from clover_jax import CloverConfig, CloverModel
-    from clover_jax.param_layout import flat_layout
+    from clover_jax.core.param_layout import flat_layout
 
     config = CloverConfig.from_dict(dict(
         model_type="clover_moe", vocab_size=shapes["vocab"], hidden_size=shapes["hidden"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_jax.cli import BUNDLED_MODEL
+from clover_jax.api.cli import BUNDLED_MODEL
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = ["quickstart.ipynb", "decoding_schedules.ipynb"]

@@ -1,4 +1,4 @@
-"""Load a Hugging Face layout checkpoint into the parameter pytree of `clover_jax.model`.
+"""Load a Hugging Face layout checkpoint into the parameter pytree of `clover_jax.nn.model`.
 
 Everything that can be checked from the safetensors headers — unknown and missing names,
 shapes, dtypes, truncated files — is checked before any tensor data is read. Then parameters
@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from clover_jax.config import CloverConfig
-from clover_jax.param_layout import flat_layout
-from clover_jax.quantization import QuantizedWeight, QuantSpec
-from clover_jax.quantization import quantize as quantize_weight
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec
+from clover_jax.core.quantization import quantize as quantize_weight
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
 from weights.name_table import Placement, Source, canonical_sources, expected_placements, normalise_prefix

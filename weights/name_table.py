@@ -12,7 +12,7 @@ form — the text-only `model.` prefix and routed experts stored one per expert,
 * `model.visual.*` and `mtp.*` are skipped and counted;
 * a user `name_map` (checkpoint name -> canonical name) renames anything else.
 
-Parameter layout (see `clover_jax.model`): weights keep the checkpoint's `[out, in]`, routed
+Parameter layout (see `clover_jax.nn.model`): weights keep the checkpoint's `[out, in]`, routed
 experts are stacked `[experts, out, in]` with gate and up fused along `out` (gate rows first,
 as in the fused checkpoint layout), and every layer parameter has a leading `[num_groups]`
 axis. Every placement is therefore a plain copy into a contiguous region.
@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from clover_jax.config import CloverConfig
+from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import COPY, PARAMS, SQUEEZE_CHANNEL, STACK_EXPERTS, Param, layer_params, param_rows
-from clover_jax.state import slot_name
+from clover_jax.core.state import slot_name
 from weights.checkpoint_files import CheckpointError
 
 __all__ = ["COPY", "SQUEEZE_CHANNEL", "SKIPPED_PREFIXES", "Placement", "Source", "canonical_sources",

@@ -3,7 +3,7 @@
 A converted directory is self-contained:
 
     clover_orbax.json     the manifest, written last: format version, dtype, leaf, parameter and byte counts
-    params/               an Orbax (OCDBT) checkpoint of the parameter pytree of `clover_jax.model`
+    params/               an Orbax (OCDBT) checkpoint of the parameter pytree of `clover_jax.nn.model`
     config.json, generation_config.json, tokenizer files, ...   copied from the source directory
 
 Conversion is atomic. Everything but the manifest is built in a temporary sibling directory
@@ -40,9 +40,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from clover_jax.config import CloverConfig
-from clover_jax.param_layout import flat_layout
-from clover_jax.quantization import QuantizedWeight, QuantSpec, quantize
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantize
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.finite_check import require_finite_array
 from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from clover_jax.quantization import QuantizedWeight, QuantSpec
-from clover_jax.quantization import quantize as quantize_weight
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec
+from clover_jax.core.quantization import quantize as quantize_weight
 from weights.checkpoint_files import CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
 from weights.name_table import SQUEEZE_CHANNEL, Placement, Source

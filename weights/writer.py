@@ -24,8 +24,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from clover_jax.config import CloverConfig
-from clover_jax.param_layout import flat_layout
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout
 from weights.name_table import SQUEEZE_CHANNEL, expected_placements
 
 logger = logging.getLogger(__name__)

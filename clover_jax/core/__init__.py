@@ -1,6 +1,8 @@
-"""The lowest layer of `clover_jax`: what the model is made of, described without tracing it.
+"""The ground floor of clover_jax: what every other layer reads and nothing here imports from above.
 
-`params` holds the parameter table (one row per leaf: shape, logical axes, checkpoint names,
-defaults, quantisability) from which the layout, sharding, checkpoint names, quantisation and
-parameter counts are derived.
+`config` (config.json, `CloverConfig`), `params` (the parameter table: one row per leaf),
+`param_layout` (shapes from the table), `state` (the prefix state's layout), `passes` (the pass
+interface the decoders are handed), `kernels` (which implementation runs each hot spot),
+`quantization` (weight formats), `hub` (checkpoint ids), `json_fields` (typed JSON reading), and
+the on-disk caches of compiled programs (`compilation_cache`, `executable_cache`).
 """

@@ -1,12 +1,12 @@
 """The parameter table: one row per leaf of the parameter pytree, and everything derived from it.
 
-A row says, for one parameter of the Flax modules (`clover_jax.model`):
+A row says, for one parameter of the Flax modules (`clover_jax.nn.model`):
 
 * `path` — where it sits: from the root for the top-level rows, inside a decoder layer for the
   others (which the pytree holds once per slot of the repeating layer group, under
   `groups/layer_{slot}/`, with a leading `[num_groups]` axis);
 * `shape` — its shape as a function of the config (one layer's, for layer rows);
-* `axes` — the logical name of each dimension (`clover_jax.sharding` maps them to mesh axes;
+* `axes` — the logical name of each dimension (`clover_jax.parallel.sharding` maps them to mesh axes;
   None: never sharded);
 * `checkpoint` — the Hugging Face tensor name(s) it is read from, after `model.layers.{i}.` for
   layer rows, and `transform` — how they fill it:
@@ -23,7 +23,7 @@ A row says, for one parameter of the Flax modules (`clover_jax.model`):
 
 `param_layout` (shapes), `sharding.param_logical_axes`, `weights.name_table` (checkpoint names and
 defaults), `QuantSpec.applies_to` and `parameter_counts` all read this table;
-`tests/clover_jax/test_param_layout.py` checks it against the tree the modules trace.
+`tests/clover_jax/core/test_param_layout.py` checks it against the tree the modules trace.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from clover_jax.config import CloverConfig
-from clover_jax.state import slot_name
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.state import slot_name
 
 Shape = tuple[int, ...]
 Path = tuple[str, ...]

@@ -13,12 +13,12 @@ callers run, with named arguments:
 | `commit_and_denoise` | the committed tokens | the block  | the block's (or all)    | block commits, drafts, training |
 | `recording_causal`   | all, recorded        | none       | every row               | self-speculative verification   |
 
-The model side (`clover_jax.model.TransformerPasses`) implements four primitives — `run` (one
+The model side (`clover_jax.nn.model.TransformerPasses`) implements four primitives — `run` (one
 pass, every argument named), `new_state`, `recording` and `rolled_back` — and holds what they
 need. This module imports no Flax module, so the decoders depend on it and on the core only.
 
 An implementation is a frozen, hashable dataclass: the jitted loops take it as a static
-argument, and `clover_jax.executable_cache.describe` names it by its fields.
+argument, and `clover_jax.core.executable_cache.describe` names it by its fields.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-    from clover_jax.config import CloverConfig
-    from clover_jax.state import ModelState
+    from clover_jax.core.config import CloverConfig
+    from clover_jax.core.state import ModelState
 
 Params = dict[str, Any]
 
@@ -73,7 +73,7 @@ class ModelPasses(abc.ABC):
 
     @abc.abstractmethod
     def recording(self, state: "ModelState", rows: int) -> "ModelState":
-        """`state` ready for a recording causal pass of `rows` rows (`clover_jax.rollback`)."""
+        """`state` ready for a recording causal pass of `rows` rows (`clover_jax.nn.rollback`)."""
 
     @abc.abstractmethod
     def rolled_back(self, state: "ModelState", keep: jax.Array, rows: int) -> "ModelState":

@@ -10,7 +10,7 @@ which generation must fill too before it can close the last block.
 
 Prefixes are left-padded to one width per batch; `start` marks the padding, so RoPE
 positions count from each sequence's first real token and padded rows leave the state as if
-absent (`clover_jax.state`), exactly as in generation's left padding.
+absent (`clover_jax.core.state`), exactly as in generation's left padding.
 
 Each example also carries its whole clean conversation (prompt + response through the
 end-of-turn token), left-padded the same way, for the next-token loss on the causal pass

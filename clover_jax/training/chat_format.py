@@ -10,7 +10,7 @@ Like Qwen3's, the generation prompt is `<|im_start|>assistant\\n`, and with
 The last assistant turn after the last user message keeps its reasoning (given as
 `reasoning_content`, or inline in `content` before `</think>`); earlier assistant turns are
 rendered without it. `render_chat` renders it in the one chat-template sandbox,
-`clover_jax.tokenization.render_chat_template` (transformers' semantics, with bounds on the
+`clover_jax.api.tokenization.render_chat_template` (transformers' semantics, with bounds on the
 work a template does), so a tokenizer loaded with `AutoTokenizer.from_pretrained` renders the
 same text (tested).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from clover_jax.tokenization import render_chat_template
+from clover_jax.api.tokenization import render_chat_template
 
 CHAT_TEMPLATE = """\
 {%- set ns = namespace(last_user=-1) %}

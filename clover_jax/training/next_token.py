@@ -20,8 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.model import CloverTransformer, Params, TransformerPasses
-from clover_jax.state import empty_state
+from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
+from clover_jax.core.state import empty_state
 
 
 class NextTokenParts(NamedTuple):

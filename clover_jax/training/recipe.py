@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.config import CloverConfig
-from clover_jax.model import CloverTransformer
-from clover_jax.state import empty_state
+from clover_jax.core.config import CloverConfig
+from clover_jax.nn.model import CloverTransformer
+from clover_jax.core.state import empty_state
 from clover_jax.training.batches import TrainBatch, make_batch, prefix_width, sequence_width
 from clover_jax.training.task import SortDigits
 from clover_jax.training.trainer import TrainConfig, Trainer, count_parameters

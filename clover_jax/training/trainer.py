@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from clover_jax.model import CloverTransformer, Params
+from clover_jax.nn.model import CloverTransformer, Params
 from clover_jax.training.batches import TrainBatch
 from clover_jax.training.objective import joint_loss
 

@@ -47,9 +47,9 @@ def main(out_path: str) -> None:
     import jax.numpy as jnp
 
     from clover_jax import CloverConfig, MeshPlan, make_mesh
-    from clover_jax.kernels import KernelChoice
-    from clover_jax.model import CloverTransformer, TransformerPasses
-    from clover_jax.param_layout import flat_layout
+    from clover_jax.core.kernels import KernelChoice
+    from clover_jax.nn.model import CloverTransformer, TransformerPasses
+    from clover_jax.core.param_layout import flat_layout
     from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
     from decoding.block_loop import LoopSpec, Request, run_block_decoder
     from decoding.controls import Controls, TokenIds

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import decoding.generation as generation_module
-from clover_jax.config import ConfigError
+from clover_jax.core.config import ConfigError
 from decoding import GenerationConfig, generate
 from decoding.generation_config import MAX_BLOCK_COUNT, MAX_INT32, json_reader
 
@@ -152,7 +152,7 @@ def test_generate_refuses_them_before_compute(peaked, controls_config, monkeypat
 
 
 def test_special_token_ids_come_from_generation_config_then_config_json_then_the_tokenizer(clover_checkpoint, tmp_path):
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from decoding.generation_config import resolve_token_ids
 
     tokenizer = {"added_tokens": [{"content": "<think>", "id": 20}, {"content": "</think>", "id": 21}]}

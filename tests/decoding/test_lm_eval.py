@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from clover_jax.cli import BUNDLED_MODEL
+from clover_jax.api.cli import BUNDLED_MODEL
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").is_file(),
                                 reason="the bundled model is not in this checkout")
@@ -53,7 +53,7 @@ def _harness(tmp_path_factory):
 def test_simple_evaluate_answers_generate_until_with_generate(harness):
     lm_eval, tasks, rows = harness
     from clover_jax import CloverModel
-    from clover_jax.tokenization import Tokenizer
+    from clover_jax.api.tokenization import Tokenizer
     from decoding import generate
 
     results = lm_eval.simple_evaluate(model="clover-jax", model_args=f"pretrained={BUNDLED_MODEL},batch_size=4",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from clover_jax.cli import BUNDLED_MODEL
+from clover_jax.api.cli import BUNDLED_MODEL
 from decoding import generate, research
 from decoding.research import SweepRecord, aup
 
@@ -159,7 +159,7 @@ needs_bundled = pytest.mark.skipif(not (BUNDLED_MODEL / "tokenizer.json").is_fil
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from clover_jax.tokenization import Tokenizer
+    from clover_jax.api.tokenization import Tokenizer
 
     return Tokenizer.from_pretrained(BUNDLED_MODEL)
 

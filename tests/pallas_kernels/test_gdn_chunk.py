@@ -75,7 +75,7 @@ def test_bf16_inputs_are_upcast_exactly_and_state_stays_float32():
 
 
 def test_equals_the_xla_chunked_rule_with_default_chunks_and_default_interpret():
-    from clover_jax.gated_delta import chunked_gated_delta_rule
+    from clover_jax.nn.gated_delta import chunked_gated_delta_rule
 
     query, key, value, decay, beta, state = rule_inputs(100, seed=3)
     # interpret=None: interpreted because this runs on CPU (chosen per platform at lowering).

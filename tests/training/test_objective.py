@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.model import CloverTransformer
+from clover_jax.nn.model import CloverTransformer
 from clover_jax.training.batches import decodable_blocks, make_batch, prefix_width
 from clover_jax.training.objective import (NoisyBlock, block_diffusion_loss, block_logits, corrupt_block,
                                            weighted_masked_cross_entropy)

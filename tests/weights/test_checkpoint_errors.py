@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from clover_jax import CloverModel
-from clover_jax.config import CloverConfig
+from clover_jax.core.config import CloverConfig
 from weights import CheckpointError, load_params
 
 WEIGHTS = "model.safetensors"

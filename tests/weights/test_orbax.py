@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from clover_jax.config import CloverConfig
+from clover_jax.core.config import CloverConfig
 from tests.conftest import read_config
 from weights import CheckpointError, convert_to_orbax, is_orbax_checkpoint, load_orbax_params, load_params
 from weights import orbax_checkpoint
@@ -73,7 +73,7 @@ SHARDED_LOAD = textwrap.dedent("""
     import sys
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from clover_jax.config import CloverConfig
+    from clover_jax.core.config import CloverConfig
     from weights import load_orbax_params, load_params
 
     orbax_dir, hf_dir = sys.argv[1:]
@@ -325,7 +325,7 @@ def test_clover_model_loads_an_orbax_directory_like_the_hf_one(converted, clover
 
 def test_a_quantised_conversion_loads_without_quantising_again(clover_checkpoint, tmp_path, monkeypatch):
     from clover_jax import CloverModel
-    from clover_jax.quantization import QuantizedWeight
+    from clover_jax.core.quantization import QuantizedWeight
     from weights import loader
 
     out = tmp_path / "int4"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
-from clover_jax.config import CloverConfig
+from clover_jax.core.config import CloverConfig
 from weights import load_params
 
 

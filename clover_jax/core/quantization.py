@@ -1,0 +1,181 @@
+"""Weight-only quantisation: int8 per output channel, int4 in groups along the input dimension.
+
+A quantised weight `[..., out, in]` is a `QuantizedWeight(values, scales)` pytree that takes the
+float weight's place in the parameter tree:
+
+* int8: `values` int8 `[..., out, in]`, `scales` bfloat16 `[..., out, 1]`, `w ≈ values × scale`
+  with `scale = max|w_row| / 127`;
+* int4: `values` uint8 `[..., out, in / 2]` — two 4-bit codes per byte (even input index in the
+  low nibble), so the array holds exactly 4 bits per weight on every backend — and `scales`
+  bfloat16 `[..., out, in / group]` with `scale = max|w_group| / 7`, codes in [-8, 7].
+
+Matmuls dequantise on the fly: the routed experts dequantise only the expert a tile uses
+(`clover_jax.nn.expert_dispatch`), dense layers their weight before the matmul (`layers.Linear`).
+Quantisation happens at load time, one parameter at a time (`weights.load_params(quantize=...)`),
+so the unquantised model is never held whole.
+
+int4 groups: plain `"int4"` asks for the default group of 128 inputs; on a model whose quantised
+input widths 128 does not divide, it takes the largest even group below 128 that divides them
+all (logged). An explicit group (`"int4-g128"`, `QuantSpec(4, group_size=128)`) that does not
+divide every width is refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from clover_jax.core.params import ALWAYS, DENSE, find_param
+
+logger = logging.getLogger(__name__)
+
+SCALE_DTYPE = ml_dtypes.bfloat16
+DEFAULT_GROUP = 128
+
+
+class QuantizedWeight(NamedTuple):
+    """values: int8 [..., out, in] or packed uint8 [..., out, in / 2]; scales: bfloat16 [..., out, groups]."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.values.dtype == np.uint8 else 8
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape."""
+        return self.values.shape[:-1] + (self.values.shape[-1] * (2 if self.bits == 4 else 1),)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """bits: 8 or 4; group_size: int4 input-dimension group (int8 is per output channel);
+    dense: also quantise the dense projections (attention, GDN, shared expert), not only the
+    routed experts. Embedding, LM head, norms and the router stay in the model dtype.
+    fit_group: group_size is only the preferred group (plain "int4"): `fitted` lowers it to the
+    largest even group that divides every quantised input width instead of refusing."""
+
+    bits: int = 8
+    group_size: int = DEFAULT_GROUP
+    dense: bool = False
+    fit_group: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
+        if self.bits == 4 and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                               or self.group_size < 2 or self.group_size % 2):
+            raise ValueError(f"int4 group_size must be an even number >= 2, got {self.group_size!r}")
+
+    @property
+    def name(self) -> str:
+        """The text `parse` reads back: "int8", "int4-g128" ("int4" while the group is to be fitted),
+        with "+dense" when dense."""
+        group = "" if self.bits == 8 or self.fit_group else f"-g{self.group_size}"
+        return f"int{self.bits}{group}" + ("+dense" if self.dense else "")
+
+    @classmethod
+    def parse(cls, text: "str | QuantSpec | None") -> "QuantSpec | None":
+        """None, a QuantSpec, or "int8" / "int4" / "int4-g64" / "int8+dense"."""
+        if text is None or isinstance(text, QuantSpec):
+            return text
+        name, _, extra = str(text).partition("+")
+        bits_text, has_group, group = name.partition("-g")
+        if bits_text not in ("int8", "int4") or extra not in ("", "dense") or has_group and (
+                bits_text == "int8" or not group.isascii() or not group.isdigit()):
+            raise ValueError(f"quantize={text!r}: expected 'int8' or 'int4', optionally '-g<group>' "
+                             "(int4) and '+dense'")
+        return cls(bits=int(bits_text[3:]), group_size=int(group) if group else DEFAULT_GROUP,
+                   dense=extra == "dense", fit_group=bits_text == "int4" and not group)
+
+    def applies_to(self, path: tuple[str, ...]) -> bool:
+        """Whether the parameter at `path` is quantised under this spec (its row's `quantize` in
+        the parameter table; a path that is no parameter is not)."""
+        row = find_param(path)
+        return row is not None and (row.quantize == ALWAYS or self.dense and row.quantize == DENSE)
+
+    def check_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        if self.bits == 4 and shape[-1] % self.group_size:
+            raise ValueError(f"{'/'.join(path)} has input dimension {shape[-1]}, not a multiple of the int4 "
+                             f"group_size {self.group_size}; choose a group_size that divides it")
+
+    def fitted(self, layout: Mapping[tuple[str, ...], tuple[int, ...]]) -> "QuantSpec":
+        """This spec for a model whose parameters have `layout` ({path: shape}, `flat_layout`).
+
+        An explicit int4 group must divide every quantised input width (ValueError naming the
+        first parameter it does not divide). With `fit_group` (plain "int4") the group becomes the
+        largest even number <= group_size that divides them all, logged when it is not group_size.
+        The result has `fit_group` False, so its `name` records the group used.
+        """
+        quantised = [(path, tuple(shape)) for path, shape in layout.items() if self.applies_to(path)]
+        exact = dataclasses.replace(self, fit_group=False)
+        if self.bits != 4 or all(shape[-1] % self.group_size == 0 for _, shape in quantised):
+            return exact
+        if not self.fit_group:
+            for path, shape in quantised:
+                self.check_shape(path, shape)
+        widths = sorted({shape[-1] for _, shape in quantised})
+        common = math.gcd(*widths)
+        group = next((size for size in range(self.group_size, 1, -2) if common % size == 0), None)
+        if group is None:
+            raise ValueError(f"int4 needs a group of an even number of inputs that divides every quantised input "
+                             f"width, and the widths {widths} have none; use int8")
+        logger.info("int4: group_size %d does not divide the quantised input widths %s; using %d, the largest even "
+                    "group that does (ask for 'int4-g<N>' to choose)", self.group_size, widths, group)
+        return dataclasses.replace(exact, group_size=group)
+
+    def stored_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the quantised form of a float weight of `shape` (values + bfloat16 scales)."""
+        rows = int(np.prod(shape[:-1]))
+        if self.bits == 8:
+            return rows * shape[-1] + rows * 2
+        return rows * shape[-1] // 2 + rows * (shape[-1] // self.group_size) * 2
+
+
+def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
+    """Quantise a float weight [..., out, in] on the host (NumPy), returning NumPy arrays."""
+    weight = np.asarray(weight, np.float32)
+    if spec.bits == 8:
+        scale = np.max(np.abs(weight), axis=-1, keepdims=True) / 127.0
+        safe = np.where(scale > 0, scale, 1.0)
+        codes = np.clip(np.rint(weight / safe), -127, 127).astype(np.int8)
+        return QuantizedWeight(codes, scale.astype(SCALE_DTYPE))
+    grouped = weight.reshape(weight.shape[:-1] + (weight.shape[-1] // spec.group_size, spec.group_size))
+    scale = np.max(np.abs(grouped), axis=-1, keepdims=True) / 7.0
+    safe = np.where(scale > 0, scale, 1.0)
+    codes = np.clip(np.rint(grouped / safe), -8, 7).astype(np.int8).reshape(weight.shape)
+    nibbles = (codes & 0xF).astype(np.uint8)
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return QuantizedWeight(packed, scale[..., 0].astype(SCALE_DTYPE))
+
+
+def dequantize(weight: "QuantizedWeight | jax.Array", dtype) -> jax.Array:
+    """The float weight [..., out, in] in `dtype` (a float array is returned cast)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight.astype(dtype)
+    scales = weight.scales.astype(jnp.float32)
+    if weight.bits == 8:
+        return (weight.values.astype(jnp.float32) * scales).astype(dtype)
+    low = (weight.values & 0xF).astype(jnp.int8)
+    high = (weight.values >> 4).astype(jnp.int8)
+    sign_extend = lambda nibble: jnp.where(nibble >= 8, nibble - 16, nibble)
+    codes = jnp.stack([sign_extend(low), sign_extend(high)], axis=-1).reshape(weight.shape)
+    groups = scales.shape[-1]
+    grouped = codes.reshape(codes.shape[:-1] + (groups, codes.shape[-1] // groups)).astype(jnp.float32)
+    return (grouped * scales[..., None]).reshape(codes.shape).astype(dtype)
+
+
+def take(weight: "QuantizedWeight | jax.Array", index) -> "QuantizedWeight | jax.Array":
+    """`weight[index]` on the leading axes, for float and quantised weights alike."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(weight.values[index], weight.scales[index])
+    return weight[index]

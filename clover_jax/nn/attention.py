@@ -1,0 +1,91 @@
+"""Gated grouped-query attention of the full-attention layers (transformers' `Qwen3_5MoeAttention`).
+
+`q_proj` yields `2 * heads * head_dim` features: per head the first `head_dim` are the query,
+the next `head_dim` the output gate. q and k pass a zero-centred RMSNorm over `head_dim`, then
+partial RoPE; the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
+
+One pass handles `num_causal` causal rows followed by an optional block (docs/design.md §3):
+  * causal rows append their K/V to the cache and attend causally to it (at the batch's fill, or
+    at each sequence's own when `length` is per sequence: rolling back is setting it, since rows
+    past a sequence's fill are masked and the next pass overwrites them);
+  * block rows attend to the whole prefix in the cache (after the causal rows) and
+    bidirectionally to each other; their K/V are not written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import linen as nn
+
+from clover_jax.core.config import CloverConfig
+from clover_jax.nn.fused_attention import fused_attention
+from clover_jax.core.kernels import KernelChoice
+from clover_jax.parallel.sharding import MeshPlan
+from clover_jax.nn.layers import Linear, RMSNorm
+from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
+from clover_jax.nn.rope import apply_partial_rope, rope_angles
+from clover_jax.core.state import KVCache, Rows
+
+
+class GatedAttention(nn.Module):
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0  # leading rows that are causal and appended; the rest form a block
+    key_block: int = KEY_BLOCK  # keys reduced at a time by the online softmax
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None  # unused: attention runs through XLA's partitioner on a mesh
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cache: KVCache, group, rows: Rows) -> tuple[jax.Array, KVCache]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], cache with the causal rows appended).
+
+        cache: this slot's K/V cache for every group, [num_groups, batch, capacity, kv_heads, head_dim];
+        group: ours. The cache is written and read in place, block by block.
+        """
+        config = self.config
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        split_heads = lambda y, h: rearrange(y, "b t (h d) -> b t h d", h=h)
+        query, gate = jnp.split(split_heads(Linear(2 * heads * head_dim, self.dtype, name="q_proj")(x), heads), 2, -1)
+        key = split_heads(Linear(kv_heads * head_dim, self.dtype, name="k_proj")(x), kv_heads)
+        value = split_heads(Linear(kv_heads * head_dim, self.dtype, name="v_proj")(x), kv_heads)
+        query = RMSNorm(config.rms_norm_eps, self.dtype, name="q_norm")(query)
+        key = RMSNorm(config.rms_norm_eps, self.dtype, name="k_norm")(key)
+        cos, sin = rope_angles(rows.positions, config.rotary_dim, config.rope_theta)
+        query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
+
+        causal = self.num_causal
+        if causal:
+            if rows.length.ndim:  # each sequence appends at its own fill (after a rollback)
+                at = (group, jnp.arange(x.shape[0])[:, None], rows.length[:, None] + jnp.arange(causal))
+                write = lambda buffer, new: buffer.at[at].set(new.astype(buffer.dtype))
+            else:
+                write = lambda buffer, new: jax.lax.dynamic_update_slice(
+                    buffer, new[None].astype(buffer.dtype), (group, 0, rows.length, 0, 0))
+            cache = KVCache(write(cache.key, key[:, :causal]), write(cache.value, value[:, :causal]))
+        filled = jnp.reshape(rows.length + causal, (-1, 1, 1))                     # [1 or b, 1, 1]
+        row_index = jnp.reshape(rows.length, (-1, 1)) + jnp.arange(x.shape[1])  # [1 or b, tokens]
+        is_causal_row = (jnp.arange(x.shape[1]) < causal)[None, :, None]
+
+        def cache_allowed(index):
+            # causal row i sees cache rows start..length+i; block rows see the whole filled prefix.
+            upto = jnp.where(is_causal_row, index[None, None, :] <= row_index[:, :, None],
+                             index[None, None, :] < filled)
+            return (index[None, None, :] >= rows.start[:, None, None]) & upto
+
+        def read_cache(first, size):
+            shape = (1,) + cache.key.shape[1:2] + (size,) + cache.key.shape[3:]
+            start = (group, 0, first, 0, 0)
+            return (jax.lax.dynamic_slice(cache.key, start, shape)[0], jax.lax.dynamic_slice(cache.value, start, shape)[0])
+
+        segments = [KeySegment(read_cache, cache.key.shape[2], cache_allowed, jnp.max(filled))]
+        if x.shape[1] > causal:
+            block_allowed = lambda index: jnp.broadcast_to(~is_causal_row, (x.shape[0], x.shape[1], index.shape[0]))
+            segments.append(array_segment(key[:, causal:], value[:, causal:], block_allowed))
+        if self.kernels.attention == "dot_product_attention":
+            out = fused_attention(query, segments, self.kernels.platform)
+        else:
+            out = online_attention(query, segments, self.key_block)
+        out = rearrange(out, "b t h d -> b t (h d)") * jax.nn.sigmoid(rearrange(gate, "b t h d -> b t (h d)"))
+        return Linear(config.hidden_size, self.dtype, name="o_proj")(out), cache

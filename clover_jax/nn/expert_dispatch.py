@@ -1,0 +1,184 @@
+"""Routed experts as a grouped computation: each distinct expert's weights are read once per
+pass, and compute follows the routed (token, choice) pairs.
+
+Two implementations of one function, chosen by `KernelChoice.moe`:
+
+* "xla" (`routed_expert_mlp`, below);
+* "pallas" (`grouped_expert_mlp`): the pairs sorted by expert go through two grouped matmuls
+  (`pallas_kernels.grouped_matmul_for_platform`: megablox `gmm` on TPU, our Pallas kernel on
+  GPU, interpret mode on CPU); experts that no pair uses get no work tiles, so their weights are
+  never read — with the block coreset, a denoising step reads only the coreset's experts.
+
+The XLA form loops over experts, not over pairs. The pairs are sorted by expert; an outer
+`while_loop` visits the experts that at least one pair uses (as many iterations as there are
+such experts, not one per expert of the layer), takes that expert's weights once, and an inner
+`while_loop` runs its pairs in row tiles of static height. No `lax.cond` is involved: a loop
+trip count is data, so unused experts cost nothing, and nothing is copied through a branch.
+
+Why this shape, measured on XLA:CPU (see `docs/performance.md`): any dynamic selection of
+an expert (`take`, gather, dynamic slice) is materialised as a copy before the matmul; taken
+once per expert and reused by all of that expert's tiles, the copy stays in cache and the
+step reads each used expert from memory once. Per-pair tiles (the earlier form) re-read an
+expert for every pair routed to it, and `jax.lax.ragged_dot` there costs time in proportion to
+the expert count. The tile height adapts to the pass: one row in decoding, up to 128 rows in
+long prefills.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.core.quantization import dequantize, take
+
+
+# A layer whose routed experts hold at most this many parameters in all has every expert evaluated
+# for every token: below it, the loop's iterations (~10–20 µs each on XLA:CPU) cost more than
+# evaluating the experts no pair routes to (the bundled model: 8 experts of 18K parameters).
+SMALL_LAYER_EXPERT_PARAMETERS = 1 << 20
+STRATEGIES = ("auto", "loop", "dense")
+
+
+def tile_rows_for(num_pairs: int, num_experts: int) -> int:
+    """The power of two at or below the mean pairs per expert that can be used, in [1, 128]:
+    most experts fill one or two tiles, and padding stays under one tile per expert (measured on
+    a 32-row block: a quarter of the mean was 1.6x slower, the loop paying per tile)."""
+    target = max(1, num_pairs // min(num_experts, num_pairs))
+    return min(128, 1 << (target.bit_length() - 1))
+
+
+def routed_expert_mlp(
+    tokens: jax.Array,
+    expert_ids: jax.Array,
+    expert_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    strategy: str = "auto",
+) -> jax.Array:
+    """Σ_choices weight · down(silu(gate(x)) * up(x)) of each token's chosen experts.
+
+    tokens: [tokens, hidden]; expert_ids: int [tokens, top_k]; expert_weights: [tokens, top_k]
+    (an id >= experts means "not held here": the pair is dropped, as an expert-parallel shard
+    does with the pairs routed to other shards)
+    gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
+    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`
+    strategy: "loop" (the expert-major loops), "dense" (every expert for every token, weighted by
+    the routing: for experts so small that a loop iteration costs more than they do) or "auto"
+    (dense when all the layer's experts hold at most `SMALL_LAYER_EXPERT_PARAMETERS` parameters)
+    returns [tokens, hidden] in the dtype of `tokens`
+    """
+    num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up_proj.shape[0]
+    num_pairs = num_tokens * top_k
+    hidden = tokens.shape[-1]
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "auto":
+        small = num_experts * 3 * down_proj.shape[1] * down_proj.shape[2] <= SMALL_LAYER_EXPERT_PARAMETERS
+        strategy = "dense" if small else "loop"
+    if strategy == "dense":
+        return _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+    if num_tokens == 1:
+        return _single_token_mlp(tokens, expert_ids[0], expert_weights[0], gate_up_proj, down_proj)
+    # An expert holds at most one pair per token, so no expert needs a tile taller than the tokens.
+    tile_rows = min(tile_rows_for(num_pairs, num_experts), num_tokens)
+
+    flat_experts = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts (dropped pairs) sort last
+    sorted_tokens = order // top_k
+    pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
+    group_sizes = jnp.zeros(num_experts, jnp.int32).at[flat_experts].add(1, mode="drop")
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    num_used = jnp.sum(group_sizes > 0)
+    # The used experts in ascending order, padded with an unused index that is never visited.
+    used = jnp.nonzero(group_sizes, size=min(num_experts, num_pairs), fill_value=0)[0]
+
+    # Rows in expert order, with one tile of padding so that a tile may run past the last pair.
+    sorted_rows = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype).at[:num_pairs].set(tokens[sorted_tokens])
+    pair_outputs = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype)
+
+    def expert_step(carry):
+        slot, pair_outputs = carry
+        expert = used[slot]
+        # Dequantised (when quantised) and materialised once for all of this expert's tiles.
+        gate_up = dequantize(take(gate_up_proj, expert), tokens.dtype)
+        down = dequantize(take(down_proj, expert), tokens.dtype)
+        first, count = group_starts[expert], group_sizes[expert]
+
+        def tile_step(tile_carry):
+            tile, pair_outputs = tile_carry
+            offset = first + tile * tile_rows
+            rows = jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows)
+            gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
+            out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, down)
+            # Rows past this expert's pairs belong to the next expert, which is visited later
+            # and overwrites them (experts are visited in the order of their rows).
+            return tile + 1, jax.lax.dynamic_update_slice_in_dim(pair_outputs, out, offset, axis=0)
+
+        num_tiles = (count + tile_rows - 1) // tile_rows
+        _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), pair_outputs))
+        return slot + 1, pair_outputs
+
+    _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_used, expert_step, (jnp.int32(0), pair_outputs))
+    kept = jnp.where(flat_experts[order] < num_experts, pair_weights, 0)
+    weighted = pair_outputs[:num_pairs] * kept[:, None]
+    return jnp.zeros_like(tokens).at[sorted_tokens].add(weighted)
+
+
+def _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+    """Every expert on every token, each output weighted by the token's routing weight for that
+    expert (0 where it was not chosen, or not held here): two matmuls and no loop."""
+    num_experts = gate_up_proj.shape[0]
+    routing = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=tokens.dtype)
+                      * expert_weights[..., None].astype(tokens.dtype), axis=1)            # [tokens, experts]
+    gate, up = jnp.split(jnp.einsum("th,eih->tei", tokens, dequantize(gate_up_proj, tokens.dtype)), 2, axis=-1)
+    outputs = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, dequantize(down_proj, tokens.dtype))
+    # Weighted after the down projection, as the reference implementation does (same rounding order).
+    return jnp.einsum("teh,te->th", outputs, routing)
+
+
+def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj):
+    """One token (an autoregressive step at batch 1): its top-k experts are distinct, so a scan
+    over the choices reads each routed expert once. token: [1, hidden]; ids, weights: [top_k]."""
+    num_experts = gate_up_proj.shape[0]
+
+    def choice(total, pair):
+        expert, weight = pair
+        held = expert < num_experts
+        expert = jnp.minimum(expert, num_experts - 1)
+        gate_up = dequantize(take(gate_up_proj, expert), token.dtype)
+        gate, up = jnp.split(jnp.einsum("mh,ih->mi", token, gate_up), 2, axis=-1)
+        out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(take(down_proj, expert), token.dtype))
+        return total + jnp.where(held, weight, 0).astype(token.dtype) * out, None
+
+    total, _ = jax.lax.scan(choice, jnp.zeros_like(token), (expert_ids, expert_weights))
+    return total
+
+
+def grouped_expert_mlp(
+    tokens: jax.Array,
+    expert_ids: jax.Array,
+    expert_weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    platform: str,
+) -> jax.Array:
+    """`routed_expert_mlp` (same arguments and result) through grouped-matmul kernels for `platform`
+    ("cpu": the Pallas kernel in interpret mode, for parity tests; "gpu"; "tpu")."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up_proj.shape[0]
+    from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
+
+    # The Pallas grouped matmul has no quantised variant yet: quantised experts are dequantised whole.
+    gate_up_proj, down_proj = dequantize(gate_up_proj, tokens.dtype), dequantize(down_proj, tokens.dtype)
+    flat_experts = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts sort last, past every group
+    sorted_tokens = order // top_k
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    matmul = lambda rows, weights: grouped_matmul_for_platform(
+        platform, rows, weights, group_sizes,
+        kernel="pallas" if platform == "cpu" else "auto", interpret=platform == "cpu")
+    gate, up = jnp.split(matmul(tokens[sorted_tokens], gate_up_proj), 2, axis=-1)
+    pair_outputs = matmul(jax.nn.silu(gate) * up, down_proj)  # rows of dropped pairs are 0
+    pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
+    return jnp.zeros_like(tokens).at[sorted_tokens].add(pair_outputs * pair_weights[:, None])

@@ -1,0 +1,198 @@
+"""Gated DeltaNet token mixer (transformers' `Qwen3_5MoeGatedDeltaNet`) with Clover's block mode.
+
+Causal rows (prefill, commits, autoregressive steps), docs/design.md §1:
+
+    in_proj_qkv -> causal depthwise conv (kernel K, no bias) -> SiLU -> q | k | v
+    beta = sigmoid(in_proj_b x);  g = -exp(A_log) * softplus(in_proj_a x + dt_bias)
+    q, k L2-normalised, q scaled by key_dim ** -0.5; gated delta rule (float32 state)
+    gated RMSNorm with z = in_proj_z x, then out_proj
+
+Block rows (the denoising forward), docs/design.md §3, read the state without changing it:
+
+    silu(causal conv over [conv state; block] + right-context conv over the following rows)
+    memory readout m_i = Sᵀ (q̂_i / sqrt(dk));  block logits l_ij = exp(block_logit_scale) q̂_i · k̂_j
+    memory logit μ = memory_logit_bias + block_size_calibration · ln(B)
+    o_i = (e^μ m_i + Σ_j e^{l_ij} v_j) / (e^μ + Σ_j e^{l_ij})
+
+A pass holds `num_causal` causal rows and then an optional block that reads the state left by
+those rows, so a commit and the next block's first denoising step are one call. Given a
+`RecordingGDN` state (`clover_jax.nn.rollback.recording`), the causal rows also record their
+pre-convolution rows and the delta rule's per-row inputs, from which `clover_jax.nn.rollback`
+restores the state at any of them (self-speculative decoding).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+
+from clover_jax.core.config import CloverConfig
+from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from clover_jax.core.kernels import KernelChoice
+from clover_jax.parallel.sharding import MeshPlan
+from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize
+from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
+
+
+def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
+    """Depthwise convolution of each channel over the last K rows up to each position.
+
+    window: [batch, K-1 + tokens, channels] (the previous K-1 rows, then the new rows)
+    weight: [channels, K]
+    returns [batch, tokens, channels]; row i is Σ_j weight[:, j] · window[i + j]
+    """
+    kernel = weight.shape[-1]
+    num_tokens = window.shape[1] - (kernel - 1)
+    return sum(window[:, j:j + num_tokens] * weight[:, j] for j in range(kernel))
+
+
+def right_context_conv(rows: jax.Array, weight: jax.Array) -> jax.Array:
+    """r_i = Σ_{t<K} weight[:, t] · rows[i + 1 + t], rows past the block being zero.
+
+    rows: [batch, block, channels]; weight: [channels, K] -> [batch, block, channels]
+    """
+    kernel = weight.shape[-1]
+    padded = jnp.pad(rows, [(0, 0), (0, kernel), (0, 0)])
+    block = rows.shape[1]
+    return sum(padded[:, 1 + t:1 + t + block] * weight[:, t] for t in range(kernel))
+
+
+def block_mode_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, state: jax.Array,
+    block_logit_scale: jax.Array, memory_logit_bias: jax.Array, block_size_calibration: jax.Array,
+) -> jax.Array:
+    """Softmax over the block plus one memory slot read from the prefix state, all float32.
+
+    query, key: L2-normalised, unscaled, [batch, block, value_heads, key_dim]
+    value: [batch, block, value_heads, value_dim]; state: [batch, value_heads, key_dim, value_dim]
+    the three Clover parameters: [value_heads]
+    returns [batch, block, value_heads, value_dim]
+    """
+    block = query.shape[1]
+    key_dim = query.shape[-1]
+    memory = jnp.einsum("bihk,bhkv->bihv", query / math.sqrt(key_dim), state, precision=jax.lax.Precision.HIGHEST)
+    block_logits = jnp.exp(block_logit_scale)[:, None, None] * jnp.einsum(
+        "bihk,bjhk->bhij", query, key, precision=jax.lax.Precision.HIGHEST)         # [b, h, i, j]
+    memory_logit = memory_logit_bias + block_size_calibration * math.log(block)   # [h]
+    memory_logit = jnp.broadcast_to(memory_logit[None, :, None, None], block_logits.shape[:3] + (1,))
+    logits = jnp.concatenate([memory_logit, block_logits], axis=-1)               # [b, h, i, 1 + j]
+    weights = jax.nn.softmax(logits, axis=-1)
+    return (jnp.einsum("bhi,bihv->bihv", weights[..., 0], memory)
+            + jnp.einsum("bhij,bjhv->bihv", weights[..., 1:], value, precision=jax.lax.Precision.HIGHEST))
+
+
+def on_mesh(rule, plan: MeshPlan, batch: int, key_heads: int, value_heads: int):
+    """`rule` (a gated-delta-rule kernel) run per device inside `shard_map`: XLA's partitioner
+    cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
+    are split over the axis the rules give value heads when both head counts divide it; a key
+    head's value heads are consecutive, so the shards keep their pairing."""
+    batch_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 and batch % plan.axis_size(
+        plan.rules.batch) == 0 else None
+    heads_axis = plan.rules.value_heads
+    size = plan.axis_size(heads_axis)
+    heads_axis = heads_axis if size > 1 and key_heads % size == 0 and value_heads % size == 0 else None
+    heads = PartitionSpec(batch_axis, None, heads_axis, None)
+    per_token = PartitionSpec(batch_axis, None, heads_axis)
+    state = PartitionSpec(batch_axis, heads_axis, None, None)
+    return jax.shard_map(rule, mesh=plan.mesh, in_specs=(heads, heads, heads, per_token, per_token, state),
+                         out_specs=(heads, state), check_vma=False)
+
+
+class GatedDeltaNet(nn.Module):
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group,
+                 rows: Rows) -> tuple[jax.Array, GDNState | RecordingGDN]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], `stacked` with this layer's state
+        advanced by the causal rows).
+
+        stacked: this slot's GDN state for every group (leading [num_groups] axis); group: ours.
+        A `RecordingGDN` comes back with our group's record filled from the causal rows.
+        """
+        config = self.config
+        heads = config.linear_num_value_heads
+        mixed = Linear(config.conv_dim, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
+        gate = Linear(config.linear_value_dim, self.dtype, name="in_proj_z")(x)  # [b, t, value_dim]
+        beta_logit = Linear(heads, self.dtype, name="in_proj_b")(x)
+        decay_logit = Linear(heads, self.dtype, name="in_proj_a")(x)
+        kernel = config.linear_conv_kernel_dim
+        conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1), (config.conv_dim, kernel), self.dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (heads,), self.dtype)
+        a_log = self.param("A_log", nn.initializers.zeros, (heads,), self.dtype)
+        # Clover block-mode parameters, initialised to docs/design.md §2 defaults.
+        right_weight = self.param("conv1d_right_weight", nn.initializers.zeros, (config.conv_dim, kernel), self.dtype)
+        block_logit_scale = self.param("block_logit_scale", nn.initializers.constant(
+            math.log(math.sqrt(config.linear_key_head_dim))), (heads,), self.dtype)
+        memory_logit_bias = self.param("memory_logit_bias", nn.initializers.zeros, (heads,), self.dtype)
+        block_size_calibration = self.param("block_size_calibration", nn.initializers.zeros, (heads,), self.dtype)
+
+        # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
+        mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
+        causal, cores = self.num_causal, []
+        record = None
+        if isinstance(stacked, RecordingGDN):
+            stacked, record = stacked
+            if record.key.shape[2] != causal:
+                raise ValueError(f"the record holds {record.key.shape[2]} rows but the pass has {causal} causal rows")
+        put = lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(
+            all_groups, ours.astype(all_groups.dtype), group, 0)
+        state = jax.tree_util.tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, group, keepdims=False), stacked)
+
+        def split_qkv(activated):
+            query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+            query = l2_normalize(rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            key = l2_normalize(rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            return query, key, rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
+
+        if causal:
+            window = jnp.concatenate([state.conv.astype(self.dtype), mixed[:, :causal]], axis=1)
+            query, key, value = split_qkv(jax.nn.silu(causal_depthwise_conv(window, conv_weight)))
+            beta = jax.nn.sigmoid(beta_logit[:, :causal])
+            decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+                decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
+            if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
+                rule = recurrent_gated_delta_rule
+            elif self.kernels.gdn == "pallas":
+                from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
+
+                chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
+                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
+                if self.plan is not None:
+                    rule = on_mesh(rule, self.plan, x.shape[0], config.linear_num_key_heads, heads)
+            else:
+                rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
+            core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
+                                   state.recurrent)
+            if record is not None:
+                record = jax.tree_util.tree_map(put, record, GDNRecord(window, state.recurrent, key, value, decay, beta))
+            state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
+            stacked = jax.tree_util.tree_map(put, stacked, state)
+            cores.append(core)
+
+        if x.shape[1] > causal:
+            block = mixed[:, causal:]
+            window = jnp.concatenate([state.conv.astype(self.dtype), block], axis=1)
+            activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
+            query, key, value = split_qkv(activated)
+            repeat = lambda y: jnp.repeat(y, heads // config.linear_num_key_heads, axis=2)
+            cores.append(block_mode_attention(
+                repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent,
+                block_logit_scale.astype(jnp.float32), memory_logit_bias.astype(jnp.float32),
+                block_size_calibration.astype(jnp.float32)))
+
+        core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
+        gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
+        normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
+        out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
+        return out, stacked if record is None else RecordingGDN(stacked, record)

@@ -1,0 +1,228 @@
+"""The decoder stack: embedding, layer groups scanned with `nn.scan`, final norm, LM head.
+
+Layers come in groups that repeat the config's layer pattern — for Qwen3.6 (3 GDN + 1 full
+attention) × 10. Every parameter under `groups` has a leading `[num_groups]` axis in the
+canonical ("stacked") layout, and layer `i` of the checkpoint is slot `i % len(pattern)` of
+group `i // len(pattern)`. Two loops run the groups (`KernelChoice.layer_loop`):
+
+* "scan" (GPU, TPU): `nn.scan` over the stacked parameters, so compile time does not grow with
+  depth; accelerators read each group's slice of a stacked weight in place.
+* "unrolled" (CPU): a Python loop over groups whose parameters are separate arrays
+  (`params["groups"]` is a tuple of per-group trees, `unstack_groups`). XLA:CPU copies any
+  slice of a stacked weight before a matmul — measured: a matrix-vector product over slices of
+  a stacked weight reads 2–10× slower than over separate arrays — so on CPU every weight is its
+  own buffer and a decoding step reads each one once. Compile time grows with the group count.
+
+The prefix state stays stacked in both: each layer reads and writes its group's slice of the
+state by group index (`dynamic_update_slice` in place, attention reading the K/V cache block by
+block), so no pass copies a whole cache.
+
+One pass runs `num_causal` causal rows, which append to the state (prefill, commit, an
+autoregressive step), followed by block rows that are denoised against the state the causal
+rows leave (docs/design.md §3). `num_causal = tokens` is a causal pass, `num_causal = 0` a denoising
+forward, anything between a fused commit + denoise. Callers do not pick these numbers: they run
+the named passes of `TransformerPasses(module)` (the interface of `clover_jax.core.passes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from clover_jax.nn import rollback
+from clover_jax.nn.attention import GatedAttention
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.passes import ModelPasses, Params, PassOutput
+from clover_jax.nn.gdn import GatedDeltaNet
+from clover_jax.core.kernels import KernelChoice
+from clover_jax.nn.layers import RMSNorm, default_init
+from clover_jax.nn.moe import SparseMoE
+from clover_jax.parallel.sharding import MeshPlan, constrain_batch, constrain_state
+from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
+
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+class DecoderLayer(nn.Module):
+    config: CloverConfig
+    layer_type: str
+    dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0
+    coreset: bool = False
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array, state: Any, group, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
+        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state, distinct experts [batch]).
+
+        state: this slot's state for every group (leading [num_groups] axis); group: which one is ours.
+        """
+        config = self.config
+        mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
+        name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
+        mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, plan=self.plan, name=name)(
+            mixed, state, group, rows)
+        hidden = hidden + mixed
+        feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
+        feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
+                                           self.plan, name="mlp")(feed_forward, coreset_top_p)
+        return hidden + feed_forward, state, distinct
+
+
+class LayerGroup(nn.Module):
+    """One repetition of the layer pattern; the unit that `nn.scan` stacks."""
+
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0
+    coreset: bool = False
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
+
+    @nn.compact
+    def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, coreset_top_p):
+        """carry: (hidden [batch, tokens, hidden_size], the state of every layer, stacked over groups);
+        group: this group's index. returns (the carry after the group, distinct experts [slots, batch])."""
+        hidden, layers = carry
+        layers, distinct = dict(layers), []
+        for slot, layer_type in enumerate(self.config.group_pattern):
+            name = slot_name(slot)
+            layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, self.kernels,
+                                 self.plan, name=name)
+            hidden, layers[name], layer_distinct = layer(hidden, layers[name], group, rows, coreset_top_p)
+            distinct.append(layer_distinct)
+        return (hidden, layers), jnp.stack(distinct)
+
+
+class CloverTransformer(nn.Module):
+    """kernels: which implementation runs attention, the GDN rule and the routed experts
+    (`clover_jax.core.kernels.choose_kernels`); plan: the mesh and sharding rules, or None on one device."""
+
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
+                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+        """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
+
+        num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
+        are computed (a long prefill needs none: pass `tokens`); coreset: route block rows
+        within their coreset with `coreset_top_p`.
+        """
+        config = self.config
+        num_tokens = input_ids.shape[1]
+        num_causal = num_tokens if num_causal is None else num_causal
+        rows = rows_for(state, num_tokens)
+        embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+                         embedding_init=default_init, name="embed_tokens")
+        hidden = constrain_batch(embed(input_ids), self.plan)
+        group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.plan)
+        if self.kernels.layer_loop == "unrolled":
+            # params["groups"]: one tree per group, each a separate set of arrays (see the module docstring).
+            carry, distinct = (hidden, state.layers), []
+            groups = self.get_variable("params", "groups")
+            if not isinstance(groups, tuple):  # stacked parameters still run, through sliced copies
+                groups = unstack_groups({"groups": groups})["groups"]
+            for group, group_params in enumerate(groups):
+                carry, group_distinct = LayerGroup(*group_args, parent=None).apply(
+                    {"params": group_params}, carry, group, rows, coreset_top_p)
+                distinct.append(group_distinct)
+            (hidden, layers), distinct = carry, jnp.stack(distinct)
+        else:
+            groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
+                             in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
+            (hidden, layers), distinct = groups(*group_args, name="groups")(
+                (hidden, state.layers), jnp.arange(config.num_groups), rows, coreset_top_p)
+        hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden[:, logits_from:])
+        if config.tie_word_embeddings:
+            head = embed.embedding
+        else:
+            head = self.param("lm_head", default_init, (config.vocab_size, config.hidden_size), self.dtype)
+        logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
+        new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
+        return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerPasses(ModelPasses):
+    """The pass interface (`clover_jax.core.passes`) of a `CloverTransformer`: what the decoders,
+    `CloverModel` and training are handed instead of the module. Hashable and named by its module,
+    so equal modules share compiled programs."""
+
+    module: CloverTransformer
+
+    @property
+    def config(self) -> CloverConfig:
+        return self.module.config
+
+    def run(self, params: Params, input_ids: jax.Array, state: ModelState, *, num_causal: int, logits_from: int,
+            coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+        return self.module.apply({"params": params}, input_ids, state, num_causal=num_causal,
+                                 logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p)
+
+    def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:
+        state = empty_state(self.module.config, batch, capacity, self.module.dtype, start)
+        return constrain_state(state, self.module.plan)
+
+    def recording(self, state: ModelState, rows: int) -> ModelState:
+        return rollback.recording(state, self.module.config, rows)
+
+    def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
+        return rollback.rolled_back(state, keep, rows)
+
+
+def unstack_groups(params: Params) -> Params:
+    """The "unrolled" layout: `params["groups"]` becomes a tuple of per-group trees without the
+    group axis, each leaf its own array.
+
+    A leaf on one CPU device is split on the host: each group's slice of the stacked buffer is
+    handed to `device_put`, which adopts aligned host memory without copying, so the groups share
+    the stacked buffer (no copy, no compiled program); other leaves are sliced by XLA (a copy).
+    """
+    if isinstance(params["groups"], tuple):
+        return params
+    leaves, treedef = jax.tree_util.tree_flatten(params["groups"])
+    per_group = [[] for _ in range(leaves[0].shape[0])]
+    for leaf in leaves:
+        on_host = _host_view(leaf)
+        for group, slices in enumerate(per_group):
+            slices.append(jax.device_put(on_host[group], leaf.sharding) if on_host is not None else leaf[group])
+    return {**params, "groups": tuple(jax.tree_util.tree_unflatten(treedef, slices) for slices in per_group)}
+
+
+def _host_view(leaf) -> "np.ndarray | None":
+    """A NumPy view of a leaf held on one CPU device (no copy), or None (inside a trace, elsewhere)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None
+    if not isinstance(leaf, jax.Array):
+        return np.asarray(leaf)
+    devices = leaf.sharding.device_set
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return None
+    return np.asarray(leaf)
+
+
+def stack_groups(params: Params) -> Params:
+    """The canonical ("stacked") layout from either layout."""
+    if not isinstance(params["groups"], tuple):
+        return params
+    return {**params, "groups": jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *params["groups"])}
+
+
+def param_shapes(config: CloverConfig, dtype) -> Params:
+    """The parameter pytree as `jax.ShapeDtypeStruct`s, traced from the modules without allocating
+    (`clover_jax.core.param_layout` gives the same shapes without tracing)."""
+    module = CloverTransformer(config, dtype)
+    ids = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), ids, empty_state(config, 1, 1, dtype)))["params"]
+

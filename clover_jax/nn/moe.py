@@ -1,0 +1,128 @@
+"""Sparse MoE block (transformers' `Qwen3_5MoeSparseMoeBlock`).
+
+Router `softmax(W_gate x)` in float32 over all experts, top-k, weights renormalised to sum 1;
+routed experts `down(silu(gate(x)) * up(x))`; a shared expert scaled by
+`sigmoid(shared_expert_gate x)` is added.
+
+Causal rows always route plainly; block rows (a denoising forward) route within the block's
+coreset (docs/design.md §5) when it is enabled. All rows then share one grouped expert computation.
+
+On a mesh whose expert axis has more than one device, the routed experts are expert-parallel:
+inside `shard_map` each device runs the pairs routed to its own experts and a `psum` over the
+expert axis adds the partial outputs. The rows are replicated over the expert axis (attention
+and GDN run there anyway), so a psum of [rows, hidden] is the only collective; an all-to-all
+dispatch pays off only when the rows are themselves split over the expert axis and many — in
+decoding a step holds one block of rows per sequence, and the psum moves `rows × hidden`
+values where an all-to-all would move `rows × top_k × hidden` twice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+
+from clover_jax.core.config import CloverConfig
+from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
+from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
+from clover_jax.core.kernels import KernelChoice
+from clover_jax.nn.layers import Linear, default_init, weight_param
+from clover_jax.parallel.sharding import MeshPlan
+
+
+def route_top_k(probabilities: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Router probabilities float32 [..., experts] -> (expert ids int [..., top_k], weights summing to 1)."""
+    weights, expert_ids = jax.lax.top_k(probabilities, top_k)
+    return expert_ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
+    """The routed experts with the implementation `kernels.moe` names (arguments of `routed_expert_mlp`)."""
+    if kernels.moe == "pallas":
+        return grouped_expert_mlp(*args, kernels.platform)
+    return routed_expert_mlp(*args)
+
+
+def expert_parallel_mlp(kernels: KernelChoice, plan: MeshPlan, tokens: jax.Array, expert_ids: jax.Array,
+                        expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """`expert_mlp` inside `shard_map` on the plan's mesh (same arguments): each device runs the
+    pairs routed to its own experts (the experts split over the expert axis, when it has more
+    than one device) and a psum over that axis adds the partial outputs."""
+    expert_axis = plan.rules.experts if plan.axis_size(plan.rules.experts) > 1 else None
+    data_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 else None
+    rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
+
+    def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+        if expert_axis is None:
+            return expert_mlp(kernels, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+        num_local = gate_up_proj.shape[0]
+        local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
+        local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
+        partial = expert_mlp(kernels, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
+        return jax.lax.psum(partial, expert_axis)
+
+    # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
+    # annotation that shard_map's check requires, and would otherwise not lower inside it.
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
+                         check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+
+
+class SharedExpert(nn.Module):
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = x.shape[-1]
+        gate = Linear(self.intermediate_size, self.dtype, name="gate_proj")(x)
+        up = Linear(self.intermediate_size, self.dtype, name="up_proj")(x)
+        return Linear(hidden, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+    num_causal: int = 0   # leading rows routed plainly; the rest are a block
+    coreset: bool = False  # route the block rows within their coreset
+    kernels: KernelChoice = KernelChoice()
+    plan: MeshPlan | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, coreset_top_p: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], distinct experts of the block rows, int32 [batch])."""
+        config = self.config
+        batch, num_tokens, hidden = x.shape
+        top_k, causal = config.num_experts_per_tok, self.num_causal
+        x = x.astype(self.dtype)
+
+        router = self.param("gate", default_init, (config.num_experts, hidden), self.dtype)
+        router_logits = jnp.einsum("bth,eh->bte", x, router, preferred_element_type=jnp.float32)
+        probabilities = jax.nn.softmax(router_logits, axis=-1)
+        expert_ids, expert_weights = route_top_k(probabilities, top_k)
+        distinct = jnp.zeros((batch,), jnp.int32)
+        if num_tokens > causal:
+            block_probabilities = probabilities[:, causal:]
+            if self.coreset:
+                allowed = coreset_mask(block_probabilities, top_k, coreset_top_p)
+                block_ids, block_weights = route_within(block_probabilities, allowed, top_k)
+                expert_ids = expert_ids.at[:, causal:].set(block_ids)
+                expert_weights = expert_weights.at[:, causal:].set(block_weights)
+            distinct = distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts)
+
+        gate_up_proj = weight_param(self, "experts_gate_up_proj",
+                                    (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
+        down_proj = weight_param(self, "experts_down_proj",
+                                 (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
+        tokens = x.reshape(batch * num_tokens, hidden)
+        pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
+        # On a mesh, a Pallas kernel must run inside shard_map (XLA cannot partition a custom call).
+        if self.plan is not None and (self.plan.axis_size(self.plan.rules.experts) > 1 or self.kernels.moe == "pallas"):
+            routed = expert_parallel_mlp(self.kernels, self.plan, tokens, *pairs, gate_up_proj, down_proj)
+        else:
+            routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
+
+        shared = SharedExpert(config.shared_expert_intermediate_size, self.dtype, name="shared_expert")(tokens)
+        shared_gate = Linear(1, self.dtype, name="shared_expert_gate")(tokens)
+        out = routed + jax.nn.sigmoid(shared_gate) * shared
+        return out.reshape(batch, num_tokens, hidden), distinct
