@@ -48,18 +48,18 @@ def child_load(kind: str, directory: str, process: int, processes: int, port: in
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
                                    process_id=process)
-    from clover_jax import MeshPlan, make_mesh
+    from clover_jax import MeshSharding, make_mesh
     from clover_jax.core.config import CloverConfig
     from weights import load_orbax_params, load_params
 
     config = CloverConfig.from_pretrained(directory)
-    plan = MeshPlan(make_mesh(1, 8, 1), config)
+    mesh_sharding = MeshSharding(make_mesh(1, 8, 1), config)
     baseline = current_rss_bytes()
     started = time.perf_counter()
     if kind == "hf":
-        params, report = load_params(directory, config, sharding_for=plan.param_sharding, progress=False)
+        params, report = load_params(directory, config, sharding_for=mesh_sharding.param_sharding, progress=False)
     else:
-        params, report = load_orbax_params(directory, config, sharding_for=plan.param_sharding, progress=False)
+        params, report = load_orbax_params(directory, config, sharding_for=mesh_sharding.param_sharding, progress=False)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

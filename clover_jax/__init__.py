@@ -19,7 +19,8 @@ _EXPORTS = {
     "choose_kernels": "clover_jax.core.kernels",
     "plan": "clover_jax.parallel.planner",
     "QuantSpec": "clover_jax.core.quantization",
-    "MeshPlan": "clover_jax.parallel.sharding",
+    "MeshSharding": "clover_jax.parallel.sharding",
+    "MeshPlan": "clover_jax.parallel.sharding",  # deprecated: MeshSharding
     "ShardingRules": "clover_jax.parallel.sharding",
     "make_mesh": "clover_jax.parallel.sharding",
 }
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from clover_jax.core.kernels import choose_kernels
     from clover_jax.parallel.planner import plan
     from clover_jax.core.quantization import QuantSpec
-    from clover_jax.parallel.sharding import MeshPlan, ShardingRules, make_mesh
+    from clover_jax.parallel.sharding import MeshSharding, ShardingRules, make_mesh
 
 
 def bundled_model_path() -> Path:

@@ -196,7 +196,7 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
     grids = _schedule_grids(schedules)
     named = [schedule for _, schedule, _ in grids if isinstance(schedule, str)]
     switch = ScheduleSwitch(named) if share_compilation and len(named) > 1 else None
-    plan = []  # (label, schedule, given params, config) per cell, block size outermost within a schedule
+    cells = []  # (label, schedule, given params, config) per cell, block size outermost within a schedule
     for label, schedule, grid in grids:
         for size in sizes:
             for params in grid:
@@ -205,13 +205,13 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
                 schedule_registry.resolve_params(schedule, params, config)
                 if switch is not None and isinstance(schedule, str):
                     config = config.replace(schedule=switch, schedule_params=switch.params(schedule, params, config))
-                plan.append((label, schedule, params, config))
+                cells.append((label, schedule, params, config))
 
     records = []
     warmed = set()
-    bar = tqdm(total=len(plan), desc=f"sweep {task.name}", unit="cell", disable=not progress)
+    bar = tqdm(total=len(cells), desc=f"sweep {task.name}", unit="cell", disable=not progress)
     try:
-        for label, schedule, params, config in plan:
+        for label, schedule, params, config in cells:
             compiled = (config.schedule if callable(config.schedule) else label, config.block_size)
             if warmup and compiled not in warmed:
                 first = next(iter(padded_batches(task.prompts, batch_size or len(task.prompts))))[0]

@@ -26,7 +26,7 @@ from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.kernels import choose_kernels
 from clover_jax.nn.model import CloverTransformer, TransformerPasses, stack_groups, unstack_groups
 from clover_jax.core.quantization import QuantSpec
-from clover_jax.parallel.sharding import MeshPlan, ShardingRules
+from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 from clover_jax.core.state import ModelState, empty_state
 
 logger = logging.getLogger(__name__)
@@ -82,15 +82,15 @@ class CloverModel:
     """
 
     def __init__(self, config: CloverConfig, params: Params, dtype: Any, path: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK, plan: MeshPlan | None = None, impl: str = "auto"):
+                 chunk_size: int = DEFAULT_CHUNK, mesh_sharding: MeshSharding | None = None, impl: str = "auto"):
         compilation_cache.enable()
         self.config = config
         self.chunk_size = chunk_size  # tokens per causal pass of a long prefill (docs/design.md §1: 2048)
         self.path = path  # the checkpoint directory, where generate() finds generation_config.json
         self.dtype = jnp.dtype(dtype)
-        self.plan = plan  # mesh and sharding rules; None: one device
+        self.mesh_sharding = mesh_sharding  # mesh and sharding rules; None: one device
         self.kernels = choose_kernels(impl)
-        self.module = CloverTransformer(config, self.dtype, self.kernels, plan)
+        self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding)
         self.passes: ModelPasses = TransformerPasses(self.module)  # made once: compiled calls key on it
         self.params = params
 
@@ -102,6 +102,15 @@ class CloverModel:
     @params.setter
     def params(self, params: Params) -> None:
         self.run_params = unstack_groups(params) if self.kernels.layer_loop == "unrolled" else stack_groups(params)
+
+    @property
+    def plan(self) -> MeshSharding | None:
+        """Deprecated name of `mesh_sharding` ("plan" now means only `clover_jax.plan`)."""
+        import warnings
+
+        warnings.warn("CloverModel.plan is now CloverModel.mesh_sharding; the old name will be removed in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return self.mesh_sharding
 
     @classmethod
     def from_pretrained(
@@ -151,8 +160,8 @@ class CloverModel:
         # the small files first: a bad config.json is refused before any weights are downloaded
         config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
         choose_kernels(impl)  # a bad impl is refused before reading weights
-        plan = None if mesh is None else MeshPlan(mesh, config, rules or ShardingRules())
-        sharding_for = None if plan is None else plan.param_sharding
+        mesh_sharding = None if mesh is None else MeshSharding(mesh, config, rules or ShardingRules())
+        sharding_for = None if mesh_sharding is None else mesh_sharding.param_sharding
         quantize = QuantSpec.parse(quantize)
         path = resolve_checkpoint(path, revision, weights=True)
         if is_orbax_checkpoint(path):
@@ -170,7 +179,7 @@ class CloverModel:
             params, report = loader.load_params(path, config, dtype=dtype, name_map=name_map,
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
                                                 quantize=quantize, check_finite=check_finite)
-        return cls(config, params, report.dtype, os.fspath(path), chunk_size, plan, impl)
+        return cls(config, params, report.dtype, os.fspath(path), chunk_size, mesh_sharding, impl)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:
@@ -187,10 +196,10 @@ class CloverModel:
             raise ValueError(f"capacity {capacity} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
         make = lambda: empty_state(self.config, batch, capacity, self.dtype, start)
-        if self.plan is None:
+        if self.mesh_sharding is None:
             return make()
         # Created in place on the mesh (a batch the data axis cannot split is refused here).
-        return jax.jit(make, out_shardings=self.plan.state_shardings(jax.eval_shape(make)))()
+        return jax.jit(make, out_shardings=self.mesh_sharding.state_shardings(jax.eval_shape(make)))()
 
     def extend(self, state: ModelState, token_ids, logits: str = "last") -> tuple[jax.Array | None, ModelState]:
         """Append tokens causally: the prompt prefill and the commit of a decided block.
@@ -255,15 +264,15 @@ class CloverModel:
         # A causal pass never holds more rows than the context (a short prompt is not a whole chunk).
         needed = memory.estimate_memory(self.config, batch, capacity, self.dtype, min(self.chunk_size, capacity),
                                         block_size)
-        split = 1 if self.plan is None else self.plan.axis_size(self.plan.rules.batch)
+        split = 1 if self.mesh_sharding is None else self.mesh_sharding.axis_size(self.mesh_sharding.rules.batch)
         memory.check_fits(needed, already_placed=needed.parameters, split=split)
 
     def place_batch(self, array) -> jax.Array:
         """A host [batch, ...] array on the device(s): split over the data axis on a mesh."""
-        if self.plan is None:
+        if self.mesh_sharding is None:
             return jnp.asarray(array)
         array = np.asarray(array)
-        return jax.device_put(array, self.plan.batch_sharding(array.shape[0], array.ndim))
+        return jax.device_put(array, self.mesh_sharding.batch_sharding(array.shape[0], array.ndim))
 
     def _coreset(self, enabled: bool | None, top_p: float | None) -> dict:
         enabled = self.config.moe_block_coreset_enabled if enabled is None else bool(enabled)

@@ -22,7 +22,7 @@ from flax import linen as nn
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.core.kernels import KernelChoice
-from clover_jax.parallel.sharding import MeshPlan
+from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
 from clover_jax.nn.rope import apply_partial_rope, rope_angles
@@ -35,7 +35,7 @@ class GatedAttention(nn.Module):
     num_causal: int = 0  # leading rows that are causal and appended; the rest form a block
     key_block: int = KEY_BLOCK  # keys reduced at a time by the online softmax
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None  # unused: attention runs through XLA's partitioner on a mesh
+    mesh_sharding: MeshSharding | None = None  # unused: attention runs through XLA's partitioner on a mesh
 
     @nn.compact
     def __call__(self, x: jax.Array, cache: KVCache, group, rows: Rows) -> tuple[jax.Array, KVCache]:

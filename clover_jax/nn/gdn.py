@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from clover_jax.core.kernels import KernelChoice
-from clover_jax.parallel.sharding import MeshPlan
+from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 
@@ -87,20 +87,20 @@ def block_mode_attention(
             + jnp.einsum("bhij,bjhv->bihv", weights[..., 1:], value, precision=jax.lax.Precision.HIGHEST))
 
 
-def on_mesh(rule, plan: MeshPlan, batch: int, key_heads: int, value_heads: int):
+def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value_heads: int):
     """`rule` (a gated-delta-rule kernel) run per device inside `shard_map`: XLA's partitioner
     cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
     are split over the axis the rules give value heads when both head counts divide it; a key
     head's value heads are consecutive, so the shards keep their pairing."""
-    batch_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 and batch % plan.axis_size(
-        plan.rules.batch) == 0 else None
-    heads_axis = plan.rules.value_heads
-    size = plan.axis_size(heads_axis)
+    batch_axis = mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1 and batch % mesh_sharding.axis_size(
+        mesh_sharding.rules.batch) == 0 else None
+    heads_axis = mesh_sharding.rules.value_heads
+    size = mesh_sharding.axis_size(heads_axis)
     heads_axis = heads_axis if size > 1 and key_heads % size == 0 and value_heads % size == 0 else None
     heads = PartitionSpec(batch_axis, None, heads_axis, None)
     per_token = PartitionSpec(batch_axis, None, heads_axis)
     state = PartitionSpec(batch_axis, heads_axis, None, None)
-    return jax.shard_map(rule, mesh=plan.mesh, in_specs=(heads, heads, heads, per_token, per_token, state),
+    return jax.shard_map(rule, mesh=mesh_sharding.mesh, in_specs=(heads, heads, heads, per_token, per_token, state),
                          out_specs=(heads, state), check_vma=False)
 
 
@@ -109,7 +109,7 @@ class GatedDeltaNet(nn.Module):
     dtype: jnp.dtype = jnp.float32
     num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None
+    mesh_sharding: MeshSharding | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group,
@@ -168,8 +168,8 @@ class GatedDeltaNet(nn.Module):
 
                 chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
                 rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
-                if self.plan is not None:
-                    rule = on_mesh(rule, self.plan, x.shape[0], config.linear_num_key_heads, heads)
+                if self.mesh_sharding is not None:
+                    rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
             else:
                 rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,

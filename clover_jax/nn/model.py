@@ -42,7 +42,7 @@ from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.nn.layers import RMSNorm, default_init
 from clover_jax.nn.moe import SparseMoE
-from clover_jax.parallel.sharding import MeshPlan, constrain_batch, constrain_state
+from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
 
 LAYER_LOOPS = ("scan", "unrolled")
@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
     num_causal: int = 0
     coreset: bool = False
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None
+    mesh_sharding: MeshSharding | None = None
 
     @nn.compact
     def __call__(self, hidden: jax.Array, state: Any, group, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
@@ -67,12 +67,12 @@ class DecoderLayer(nn.Module):
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, plan=self.plan, name=name)(
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, mesh_sharding=self.mesh_sharding, name=name)(
             mixed, state, group, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
-                                           self.plan, name="mlp")(feed_forward, coreset_top_p)
+                                           self.mesh_sharding, name="mlp")(feed_forward, coreset_top_p)
         return hidden + feed_forward, state, distinct
 
 
@@ -84,7 +84,7 @@ class LayerGroup(nn.Module):
     num_causal: int = 0
     coreset: bool = False
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None
+    mesh_sharding: MeshSharding | None = None
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, coreset_top_p):
@@ -95,7 +95,7 @@ class LayerGroup(nn.Module):
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
             layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, self.kernels,
-                                 self.plan, name=name)
+                                 self.mesh_sharding, name=name)
             hidden, layers[name], layer_distinct = layer(hidden, layers[name], group, rows, coreset_top_p)
             distinct.append(layer_distinct)
         return (hidden, layers), jnp.stack(distinct)
@@ -103,12 +103,12 @@ class LayerGroup(nn.Module):
 
 class CloverTransformer(nn.Module):
     """kernels: which implementation runs attention, the GDN rule and the routed experts
-    (`clover_jax.core.kernels.choose_kernels`); plan: the mesh and sharding rules, or None on one device."""
+    (`clover_jax.core.kernels.choose_kernels`); mesh_sharding: the mesh and sharding rules, or None on one device."""
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None
+    mesh_sharding: MeshSharding | None = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
@@ -125,8 +125,8 @@ class CloverTransformer(nn.Module):
         rows = rows_for(state, num_tokens)
         embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=default_init, name="embed_tokens")
-        hidden = constrain_batch(embed(input_ids), self.plan)
-        group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.plan)
+        hidden = constrain_batch(embed(input_ids), self.mesh_sharding)
+        group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.mesh_sharding)
         if self.kernels.layer_loop == "unrolled":
             # params["groups"]: one tree per group, each a separate set of arrays (see the module docstring).
             carry, distinct = (hidden, state.layers), []
@@ -172,7 +172,7 @@ class TransformerPasses(ModelPasses):
 
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:
         state = empty_state(self.module.config, batch, capacity, self.module.dtype, start)
-        return constrain_state(state, self.module.plan)
+        return constrain_state(state, self.module.mesh_sharding)
 
     def recording(self, state: ModelState, rows: int) -> ModelState:
         return rollback.recording(state, self.module.config, rows)

@@ -28,7 +28,7 @@ from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.nn.layers import Linear, default_init, weight_param
-from clover_jax.parallel.sharding import MeshPlan
+from clover_jax.parallel.sharding import MeshSharding
 
 
 def route_top_k(probabilities: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -44,13 +44,13 @@ def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
     return routed_expert_mlp(*args)
 
 
-def expert_parallel_mlp(kernels: KernelChoice, plan: MeshPlan, tokens: jax.Array, expert_ids: jax.Array,
+def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
                         expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
-    """`expert_mlp` inside `shard_map` on the plan's mesh (same arguments): each device runs the
+    """`expert_mlp` inside `shard_map` on the mesh_sharding's mesh (same arguments): each device runs the
     pairs routed to its own experts (the experts split over the expert axis, when it has more
     than one device) and a psum over that axis adds the partial outputs."""
-    expert_axis = plan.rules.experts if plan.axis_size(plan.rules.experts) > 1 else None
-    data_axis = plan.rules.batch if plan.axis_size(plan.rules.batch) > 1 else None
+    expert_axis = mesh_sharding.rules.experts if mesh_sharding.axis_size(mesh_sharding.rules.experts) > 1 else None
+    data_axis = mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1 else None
     rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
 
     def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
@@ -64,7 +64,7 @@ def expert_parallel_mlp(kernels: KernelChoice, plan: MeshPlan, tokens: jax.Array
 
     # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
     # annotation that shard_map's check requires, and would otherwise not lower inside it.
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
+    return jax.shard_map(local, mesh=mesh_sharding.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
                          check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
 
 
@@ -86,7 +86,7 @@ class SparseMoE(nn.Module):
     num_causal: int = 0   # leading rows routed plainly; the rest are a block
     coreset: bool = False  # route the block rows within their coreset
     kernels: KernelChoice = KernelChoice()
-    plan: MeshPlan | None = None
+    mesh_sharding: MeshSharding | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, coreset_top_p: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -117,8 +117,8 @@ class SparseMoE(nn.Module):
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
         # On a mesh, a Pallas kernel must run inside shard_map (XLA cannot partition a custom call).
-        if self.plan is not None and (self.plan.axis_size(self.plan.rules.experts) > 1 or self.kernels.moe == "pallas"):
-            routed = expert_parallel_mlp(self.kernels, self.plan, tokens, *pairs, gate_up_proj, down_proj)
+        if self.mesh_sharding is not None and (self.mesh_sharding.axis_size(self.mesh_sharding.rules.experts) > 1 or self.kernels.moe == "pallas"):
+            routed = expert_parallel_mlp(self.kernels, self.mesh_sharding, tokens, *pairs, gate_up_proj, down_proj)
         else:
             routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
 

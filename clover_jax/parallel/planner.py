@@ -3,7 +3,7 @@ mesh the devices allow, plus the state for a context and batch, and a recommenda
 
 Weight bytes are exact: every parameter's shape (`param_layout`) times its stored width
 (bfloat16 2 bytes; int8 1 byte + a bfloat16 scale per output row; int4 half a byte + a bfloat16
-scale per group), divided by the devices its sharding spreads it over (`MeshPlan`, the same
+scale per group), divided by the devices its sharding spreads it over (`MeshSharding`, the same
 rules the loader applies). State and activations come from `clover_jax.parallel.memory.estimate_memory`
 and are split over the data axis.
 
@@ -25,7 +25,7 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.parallel.memory import estimate_memory
 from clover_jax.core.param_layout import flat_layout
 from clover_jax.core.quantization import QuantSpec
-from clover_jax.parallel.sharding import MESH_AXES, MeshPlan, ShardingRules, param_logical_axes
+from clover_jax.parallel.sharding import MESH_AXES, MeshSharding, ShardingRules, param_logical_axes
 
 GIB = 2**30
 # High-bandwidth memory per chip, by device kind (jax's `device_kind` or a short name).
@@ -78,14 +78,14 @@ def describe_format(dtype: str, spec: QuantSpec | None) -> str:
     return name + (" + dense" if spec.dense else "")
 
 
-def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | None, mesh_plan: MeshPlan) -> int:
+def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | None, mesh_sharding: MeshSharding) -> int:
     """Exact bytes of the parameters one device holds."""
     itemsize = np.dtype(dtype).itemsize
     total = 0
     for path, shape in flat_layout(config).items():
         stored = spec.stored_bytes(shape) if spec is not None and spec.applies_to(path) else math.prod(shape) * itemsize
-        spec_axes = mesh_plan.spec(param_logical_axes(path))
-        split = math.prod(mesh_plan.axis_size(axis) for axis in spec_axes if axis is not None)
+        spec_axes = mesh_sharding.spec(param_logical_axes(path))
+        split = math.prod(mesh_sharding.axis_size(axis) for axis in spec_axes if axis is not None)
         total += stored // split
     return total
 
@@ -122,7 +122,7 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", devices: Sequence |
         raise ValueError("plan() needs at least one device")
     count, device_bytes, kind = _device_memory(devices)
     mesh_shape = expert_mesh(config, count)
-    mesh_plan = MeshPlan(AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES), config, ShardingRules())
+    mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES), config, ShardingRules())
     state = estimate_memory(config, batch, context_length, "bfloat16", chunk_size, block_size)
     data = mesh_shape["data"]
     state_bytes = -(-(state.kv_cache + state.gdn_state + state.activations) // min(data, batch))
@@ -131,7 +131,7 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", devices: Sequence |
         if spec is not None and spec.bits == 4 and any(
                 shape[-1] % spec.group_size for path, shape in flat_layout(config).items() if spec.applies_to(path)):
             continue  # this config's input dimensions do not split into the int4 groups
-        weights = weight_bytes_per_device(config, dtype, spec, mesh_plan)
+        weights = weight_bytes_per_device(config, dtype, spec, mesh_sharding)
         options.append(Option(describe_format(dtype, spec), dict(mesh_shape), weights, state_bytes, device_bytes,
                               weights + state_bytes <= HEADROOM * device_bytes, spec))
     chosen = next((option for option in options if option.fits), None)

@@ -4,7 +4,7 @@ them to the mesh axes `data`, `expert` and `tensor`.
 Each array dimension has a logical name (`batch`, `experts`, `q_heads`, `kv_heads`,
 `value_heads`, `mlp`, `vocab`, or None for "never sharded"); a parameter's names are its row's
 `axes` in the parameter table (`clover_jax.core.params`). `ShardingRules` maps a logical
-name to a mesh axis; `MeshPlan` applies the rules to a config and a mesh:
+name to a mesh axis; `MeshSharding` applies the rules to a config and a mesh:
 
 * a dimension is sharded only when its *unit count* divides evenly (`q_heads` counts attention
   heads, not the `heads × 2 × head_dim` rows that hold them), so a shard always holds whole
@@ -87,7 +87,7 @@ def make_mesh(data: int = 1, expert: int = -1, tensor: int = 1, devices: Sequenc
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshPlan:
+class MeshSharding:
     """Rules applied to one config and one mesh; hashable, so it can be a static module field."""
 
     mesh: Mesh
@@ -166,15 +166,25 @@ class MeshPlan:
         return self.sharding(("batch",) + (None,) * (rank - 1), batch)
 
 
-def constrain_state(state: ModelState, plan: MeshPlan | None) -> ModelState:
-    """Inside jit: pin a state to its shardings (a no-op without a plan)."""
-    if plan is None:
+def constrain_state(state: ModelState, mesh_sharding: MeshSharding | None) -> ModelState:
+    """Inside jit: pin a state to its shardings (a no-op on one device)."""
+    if mesh_sharding is None:
         return state
-    return jax.lax.with_sharding_constraint(state, plan.state_shardings(state))
+    return jax.lax.with_sharding_constraint(state, mesh_sharding.state_shardings(state))
 
 
-def constrain_batch(array: Any, plan: MeshPlan | None) -> Any:
-    """Inside jit: pin a [batch, ...] array to the data axis (a no-op without a plan)."""
-    if plan is None:
+def constrain_batch(array: Any, mesh_sharding: MeshSharding | None) -> Any:
+    """Inside jit: pin a [batch, ...] array to the data axis (a no-op on one device)."""
+    if mesh_sharding is None:
         return array
-    return jax.lax.with_sharding_constraint(array, plan.batch_sharding(array.shape[0], array.ndim))
+    return jax.lax.with_sharding_constraint(array, mesh_sharding.batch_sharding(array.shape[0], array.ndim))
+
+
+def __getattr__(name: str):
+    if name == "MeshPlan":  # its name before "plan" came to mean only `clover_jax.plan`
+        import warnings
+
+        warnings.warn("clover_jax.parallel.sharding.MeshPlan is now MeshSharding; the old name will be removed in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return MeshSharding
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,7 +46,7 @@ def main(out_path: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax import CloverConfig, MeshPlan, make_mesh
+    from clover_jax import CloverConfig, MeshSharding, make_mesh
     from clover_jax.core.kernels import KernelChoice
     from clover_jax.nn.model import CloverTransformer, TransformerPasses
     from clover_jax.core.param_layout import flat_layout
@@ -56,10 +56,10 @@ def main(out_path: str) -> None:
     from decoding.schedules import low_confidence
 
     config = CloverConfig.from_dict(REAL_LAYERS)
-    plan = MeshPlan(make_mesh(2, 2, 2), config)
-    params = nest({path: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=plan.param_sharding(path))
+    mesh_sharding = MeshSharding(make_mesh(2, 2, 2), config)
+    params = nest({path: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=mesh_sharding.param_sharding(path))
                    for path, shape in flat_layout(config).items()})
-    batched = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=plan.batch_sharding(BATCH, len(shape)))
+    batched = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_sharding.batch_sharding(BATCH, len(shape)))
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
     i32, f32 = jnp.int32, jnp.float32
     controls = Controls(*[scalar(f32)] * 10, scalar(i32), scalar(f32), scalar(f32))
@@ -77,7 +77,7 @@ def main(out_path: str) -> None:
         # softmax here; the GDN rule and the routed experts take the Pallas kernels.
         kernels = KernelChoice(attention="online", gdn="pallas", moe="pallas", platform=kernel_platform,
                                layer_loop="scan")
-        passes = TransformerPasses(CloverTransformer(config, jnp.bfloat16, kernels, plan))
+        passes = TransformerPasses(CloverTransformer(config, jnp.bfloat16, kernels, mesh_sharding))
         disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
         exports = {
             "block_diffusion": lambda: jax.export.export(run_block_decoder.jitted, platforms=[platform],

@@ -37,7 +37,7 @@ def peaked(model):
 
     params = dict(model.params)
     params["lm_head"] = model.params["lm_head"] * 4.0
-    return CloverModel(model.config, params, model.dtype, model.path, plan=model.plan, impl="xla")
+    return CloverModel(model.config, params, model.dtype, model.path, mesh_sharding=model.mesh_sharding, impl="xla")
 
 
 def results(model, report_bytes: int | None = None) -> dict:

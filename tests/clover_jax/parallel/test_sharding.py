@@ -171,13 +171,13 @@ def test_two_processes_each_read_their_shards_and_agree(clover_checkpoint, tmp_p
 def test_bad_meshes_are_refused_before_loading(clover_checkpoint, clover):
     import jax
 
-    from clover_jax import MeshPlan, make_mesh
+    from clover_jax import MeshSharding, make_mesh
 
     with pytest.raises(ValueError, match="do not divide|devices"):
         make_mesh(2, 1, 1)  # one device here
     mesh = make_mesh(1, 1, 1)
-    plan = MeshPlan(mesh, clover.config)
-    assert plan.spec(("batch", "experts")) == jax.sharding.PartitionSpec(None, None)
+    mesh_sharding = MeshSharding(mesh, clover.config)
+    assert mesh_sharding.spec(("batch", "experts")) == jax.sharding.PartitionSpec(None, None)
     with pytest.raises(ValueError, match="num_experts=8 does not divide"):
-        MeshPlan(jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 3).reshape(1, 3, 1)[:, :3], ("data", "expert", "tensor")),
+        MeshSharding(jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 3).reshape(1, 3, 1)[:, :3], ("data", "expert", "tensor")),
                  clover.config)
