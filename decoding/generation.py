@@ -11,8 +11,9 @@ decoded positions are rounded up to powers of two while they are at most one pre
 that land in the same buckets — at the same batch size and block size — share one compiled
 loop. Extra padding is masked out (RoPE positions count from each sequence's first token), and
 extra blocks are never run: the loop stops when every sequence is finished. Numeric controls
-(threshold, penalties, ramps, temperature, top-k/p, coreset top-p) are traced, so changing them
-does not recompile; the schedule, `do_sample`, block size and schedule knobs do.
+(threshold, penalties, ramps, temperature, top-k/p, coreset top-p) and the schedule's parameters
+(`schedule_params`) are traced, so changing them does not recompile; the schedule itself,
+`do_sample`, the block size and `max_steps_per_block` do.
 """
 
 from __future__ import annotations

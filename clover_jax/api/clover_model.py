@@ -197,7 +197,9 @@ class CloverModel:
                              f"{self.config.max_position_embeddings}")
         make = lambda: empty_state(self.config, batch, capacity, self.dtype, start)
         if self.mesh_sharding is None:
-            return make()
+            # committed to the device, as every pass's output is: an uncommitted state would make the
+            # second `extend` a different compiled call from the first
+            return jax.device_put(make(), jax.devices()[0])
         # Created in place on the mesh (a batch the data axis cannot split is refused here).
         return jax.jit(make, out_shardings=self.mesh_sharding.state_shardings(jax.eval_shape(make)))()
 
