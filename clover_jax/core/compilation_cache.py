@@ -78,12 +78,3 @@ def enable() -> str | None:
             logger.debug("persistent compilation cache at %s", directory)
     _state["xla"] = directory
     return directory
-
-
-def disable() -> None:
-    """Keep this process's compiled programs in memory only (both caches off), whatever
-    `CLOVER_JAX_CACHE_DIR` says; its subprocesses still read the variable. Call it before the
-    first model is created. The test suite does this for its own long-lived process (see
-    `tests/conftest.py`); a user can do the same for a long session."""
-    _state["xla"] = None
-    _state["executables"] = None

@@ -32,6 +32,7 @@ import os
 import pickle
 import tempfile
 import types
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -42,6 +43,8 @@ from clover_jax.core import compilation_cache
 logger = logging.getLogger(__name__)
 
 _PACKAGES = ("clover_jax", "decoding", "pallas_kernels")
+LOADED_PER_FUNCTION = 64  # programs kept in memory per decorated function, least recently used dropped
+_INSTANCES: "weakref.WeakSet[PersistentJit]" = weakref.WeakSet()
 
 
 class NotNameable(Exception):
@@ -124,7 +127,9 @@ class PersistentJit:
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
         self.parameters = tuple(inspect.signature(fn).parameters)
         self.static = frozenset(static_argnames)
-        self.loaded: dict[tuple, Any] = {}
+        # Programs in use, most recent last. Bounded: every live XLA:CPU executable holds memory
+        # mappings, and a process has a limited number of them (vm.max_map_count).
+        self.loaded: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self.hits = self.stores = 0
         # Signatures of argument objects seen before, by identity (the model, its parameters):
         # describing them again on every call would cost more than the call's own host work.
@@ -146,6 +151,10 @@ class PersistentJit:
         if compiled is None:
             compiled = self._load_or_compile(directory, key, named)
             self.loaded[key] = compiled
+            if len(self.loaded) > LOADED_PER_FUNCTION:
+                self.loaded.popitem(last=False)
+        else:
+            self.loaded.move_to_end(key)
         if compiled is False:  # JAX cannot serialize this program
             return self.jitted(*args, **kwargs)
         return compiled(*dynamic)
@@ -191,6 +200,11 @@ class PersistentJit:
         self.stores += 1
         return compiled
 
+    def clear(self) -> None:
+        """Drop this function's programs from memory (they stay on disk), as `jax.clear_caches` does for jit."""
+        self.loaded.clear()
+        self._signatures.clear()
+
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
 
@@ -201,7 +215,23 @@ class PersistentJit:
 
 def persistent_jit(static_argnames: tuple[str, ...] = (), donate_argnames: tuple[str, ...] = ()):
     """Decorator form of `PersistentJit`."""
-    return lambda fn: PersistentJit(fn, tuple(static_argnames), tuple(donate_argnames))
+    def wrap(fn):
+        function = PersistentJit(fn, tuple(static_argnames), tuple(donate_argnames))
+        _INSTANCES.add(function)
+        return function
+    return wrap
+
+
+def clear_caches() -> None:
+    """Free every compiled program this process holds, ours and `jax.jit`'s (they stay on disk).
+
+    Each live XLA:CPU executable keeps memory mappings (about 15 for a small program, more for a
+    large one); a process that compiles thousands of programs reaches the kernel's limit
+    (`vm.max_map_count`, 65530 by default) and XLA aborts when its next compile cannot map memory
+    (seen in the test suite's single process, see `tests/conftest.py`)."""
+    for function in list(_INSTANCES):
+        function.clear()
+    jax.clear_caches()
 
 
 def _write_atomically(path: str, data: bytes) -> None:
