@@ -92,6 +92,7 @@ class CloverModel:
         self.kernels = choose_kernels(impl)
         self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding)
         self.passes: ModelPasses = TransformerPasses(self.module)  # made once: compiled calls key on it
+        self.fitted_requests: set[tuple[int, int, int]] = set()  # (batch, capacity, block) that fit
         self.params = params
 
     @property
@@ -263,11 +264,16 @@ class CloverModel:
     def check_memory(self, batch: int, capacity: int, block_size: int) -> None:
         """Refuse, before compiling, a decode whose state (`capacity` rows) and activations do not
         fit the device(s) (`clover_jax.parallel.memory.check_fits`)."""
+        # Checked once per request shape: asking the OS for free memory costs more than the rest of a
+        # small call's host work, and a shape that fitted keeps its compiled program.
+        if (batch, capacity, block_size) in self.fitted_requests:
+            return
         # A causal pass never holds more rows than the context (a short prompt is not a whole chunk).
         needed = memory.estimate_memory(self.config, batch, capacity, self.dtype, min(self.chunk_size, capacity),
                                         block_size)
         split = 1 if self.mesh_sharding is None else self.mesh_sharding.axis_size(self.mesh_sharding.rules.batch)
         memory.check_fits(needed, already_placed=needed.parameters, split=split)
+        self.fitted_requests.add((batch, capacity, block_size))
 
     def place_batch(self, array) -> jax.Array:
         """A host [batch, ...] array on the device(s): split over the data axis on a mesh."""

@@ -110,6 +110,7 @@ def test_a_request_that_cannot_fit_is_refused_before_compute(clover, monkeypatch
     calls = []
     monkeypatch.setattr(generation, "run_block_decoder", lambda *args: calls.append(args))
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: 1000)
+    monkeypatch.setattr(clover, "fitted_requests", set())  # as if this request shape were new
     with pytest.raises(ValueError, match="this request needs about .* but only 0.00 GB are free"):
         generate(clover, [[1, 2, 3]], max_new_tokens=8, block_size=8)
     assert calls == []
