@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import warnings
@@ -23,6 +24,9 @@ MOVED = {f"clover_jax.{name}": f"clover_jax.{layer}.{name}" for layer, names in 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers imports of the old paths with the module at its new path (one module object, two names)."""
 
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec] = {}
+
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in MOVED:
             return None
@@ -32,11 +36,12 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; the old path will be removed in the next release",
                       DeprecationWarning, stacklevel=3)
         module = importlib.import_module(MOVED[spec.name])
-        sys.modules[spec.name] = module
+        self._own_specs[spec.name] = module.__spec__
         return module
 
     def exec_module(self, module) -> None:
-        pass  # the module ran at its new path
+        # The module ran at its new path; the import system has just given it the old path's spec.
+        module.__spec__ = self._own_specs.pop(module.__spec__.name)
 
 
 def install() -> None:
