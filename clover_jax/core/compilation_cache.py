@@ -32,18 +32,25 @@ def default_directory() -> str:
     return os.path.join(base, "clover-jax")
 
 
+def _subdirectory(name: str, unwritable: str) -> str | None:
+    """`name` under the cache directory, created; None when caching is off or it cannot be created
+    (logged: `unwritable`, with the directory and the error)."""
+    root = os.environ.get(ENV, default_directory()) or None
+    if root is None:
+        return None
+    directory = os.path.join(root, name)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        logger.warning(unwritable, directory, error)
+        return None
+    return directory
+
+
 def executable_directory() -> str | None:
     """Where `clover_jax.core.executable_cache` keeps compiled programs (None: off)."""
     if "executables" not in _state:
-        directory = os.environ.get(ENV, default_directory()) or None
-        if directory is not None:
-            directory = os.path.join(directory, "executables")
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as error:
-                logger.warning("compiled programs are not kept: cannot create %s (%s)", directory, error)
-                directory = None
-        _state["executables"] = directory
+        _state["executables"] = _subdirectory("executables", "compiled programs are not kept: cannot create %s (%s)")
     return _state["executables"]
 
 
@@ -58,15 +65,8 @@ def enable() -> str | None:
         directory = configured
         logger.debug("JAX's compilation cache is already configured at %s; left as it is", configured)
     else:
-        directory = os.environ.get(ENV, default_directory()) or None
-        if directory is not None:
-            directory = os.path.join(directory, "xla")
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as error:
-                logger.warning("compilation cache off: cannot create %s (%s); set %s to a writable directory "
-                               "or to an empty string", directory, error, ENV)
-                directory = None
+        directory = _subdirectory("xla", f"compilation cache off: cannot create %s (%s); set {ENV} to a writable "
+                                         "directory or to an empty string")
         if directory is not None:
             jax.config.update("jax_compilation_cache_dir", directory)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

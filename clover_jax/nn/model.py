@@ -67,8 +67,8 @@ class DecoderLayer(nn.Module):
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
         mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels, mesh_sharding=self.mesh_sharding, name=name)(
-            mixed, state, group, rows)
+        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels,
+                             mesh_sharding=self.mesh_sharding, name=name)(mixed, state, group, rows)
         hidden = hidden + mixed
         feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
