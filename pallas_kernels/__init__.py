@@ -3,21 +3,70 @@
 * `gdn_chunk`: the chunked gated delta rule (Gated DeltaNet prefill/commit), oracle
   `gdn_chunk_reference` (token by token).
 * `grouped_matmul`: routed-expert matmul over rows sorted by expert, weights in the checkpoint's
-  [experts, out, in] layout, optionally only for a listed subset of experts (the block coreset);
-  oracle `grouped_matmul_reference` (`jax.lax.ragged_dot`). `grouped_matmul_for_platform` picks
-  JAX's shipped kernel where it is the better one (megablox on TPU).
+  [experts, out, in] layout — float, or int8 / int4 dequantised tile by tile inside the kernel
+  (`quantized_weights` states their layout) — optionally only for a listed subset of experts
+  (the block coreset); oracle `grouped_matmul_reference` (`jax.lax.ragged_dot` after
+  dequantising). `grouped_matmul_for_platform` picks JAX's shipped kernel where it is the better
+  one (megablox on TPU, float weights).
 
+The names below are imported on first use: importing Pallas costs startup time, and
+`pallas_kernels.quantized_weights` (plain JAX) is read by code that never runs a kernel.
 Nothing here imports the model packages; see docs/kernels.md.
 """
 
-from pallas_kernels.gdn_chunk import CHUNK_SIZE, gdn_chunk
-from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference
-from pallas_kernels.grouped_matmul import GPU_TILES, TPU_TILES, Tiles, grouped_matmul
-from pallas_kernels.grouped_matmul_platform import grouped_matmul_for_platform
-from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
-from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
+from __future__ import annotations
 
-__all__ = [
-    "CHUNK_SIZE", "GPU_TILES", "TPU_TILES", "Tiles", "WorkTiles", "gdn_chunk", "gdn_chunk_reference",
-    "grouped_matmul", "grouped_matmul_for_platform", "grouped_matmul_reference", "work_tiles",
-]
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "CHUNK_SIZE": "pallas_kernels.gdn_chunk",
+    "gdn_chunk": "pallas_kernels.gdn_chunk",
+    "gdn_chunk_reference": "pallas_kernels.gdn_chunk_reference",
+    "GPU_TILES": "pallas_kernels.grouped_matmul",
+    "TPU_TILES": "pallas_kernels.grouped_matmul",
+    "Tiles": "pallas_kernels.grouped_matmul",
+    "grouped_matmul": "pallas_kernels.grouped_matmul",
+    "grouped_matmul_for_platform": "pallas_kernels.grouped_matmul_platform",
+    "grouped_matmul_reference": "pallas_kernels.grouped_matmul_reference",
+    "WorkTiles": "pallas_kernels.grouped_matmul_schedule",
+    "work_tiles": "pallas_kernels.grouped_matmul_schedule",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from pallas_kernels.gdn_chunk import CHUNK_SIZE, gdn_chunk
+    from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference
+    from pallas_kernels.grouped_matmul import GPU_TILES, TPU_TILES, Tiles, grouped_matmul
+    from pallas_kernels.grouped_matmul_platform import grouped_matmul_for_platform
+    from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
+    from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # Importing a submodule binds it on the package. Where a submodule shares its name with
+        # the function it exports (grouped_matmul, gdn_chunk, ...), the function keeps the name,
+        # as it did when this package imported everything eagerly.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

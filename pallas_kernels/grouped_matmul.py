@@ -12,6 +12,15 @@ zeros (aliased into the kernel) and each work tile writes only its own group's r
   scalar-prefetched into SMEM, a float32 VMEM accumulator, and the output block resident while
   consecutive work tiles share a row tile (megablox's scheme), merged with a row-masked select.
 
+Quantised weights (`rhs_scales` given) are read as stored and dequantised tile by tile in the
+kernel — int8 `[groups, out, in]` with scales `[groups, 1, out]`, or packed int4 uint8
+`[groups, out, in / 2]` with scales `[groups, in / group, out]` (`quantized_weights` states the
+layout) — so a step reads 1 or ½ byte per weight of the groups it uses and no float copy of a
+weight exists. The integer codes are exact in the lhs dtype, so the dot runs on them and the
+product of a tile is scaled afterwards by its scale row, along the output lanes. An int4
+contraction tile is one pair of groups: its bytes' low nibbles are the first group, the high
+nibbles the second, each multiplying its own half of the lhs tile and scaled by its own row.
+
 Routed experts: gate_up is rhs [experts, 2 * intermediate, hidden], down is rhs
 [experts, hidden, intermediate].
 """
@@ -29,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
 from pallas_kernels.platforms import Variant, per_platform
+from pallas_kernels.quantized_weights import check_int4_widths, int4_group_size, unpack_int4_halves
 
 _A_BT = (((1,), (1,)), ((), ()))  # lhs tile [rows, k] @ rhs tile [n, k]ᵀ
 
@@ -43,6 +53,39 @@ GPU_TILES = Tiles(64, 128, 64)
 TPU_TILES = Tiles(128, 512, 1024)  # large n/k tiles: routed experts are weight-bandwidth bound
 
 
+class WeightFormat(NamedTuple):
+    """How rhs is stored: bits None (float), 8 or 4; group: int4 inputs per scale."""
+
+    bits: int | None = None
+    group: int = 0
+
+    @property
+    def depth_per_byte(self) -> int:
+        return 2 if self.bits == 4 else 1
+
+
+def weight_format(rhs: jax.Array, rhs_scales: jax.Array | None, depth: int) -> WeightFormat:
+    """The format of `rhs` [groups, cols, stored depth] given its scales; ValueError when they disagree."""
+    if rhs_scales is None:
+        if not jnp.issubdtype(rhs.dtype, jnp.floating):
+            raise ValueError(f"rhs of dtype {rhs.dtype} is quantised: pass its rhs_scales")
+        return WeightFormat()
+    if rhs_scales.ndim != 3 or (rhs_scales.shape[0], rhs_scales.shape[2]) != rhs.shape[:2]:
+        raise ValueError(f"rhs_scales {rhs_scales.shape} must be [groups, scale groups, cols] for rhs {rhs.shape}")
+    if rhs.dtype == jnp.int8:
+        if rhs_scales.shape[1] != 1 or rhs.shape[2] != depth:
+            raise ValueError(f"int8 rhs {rhs.shape} takes one scale per output row, got rhs_scales {rhs_scales.shape}")
+        return WeightFormat(8)
+    if rhs.dtype == jnp.uint8:
+        group = int4_group_size(rhs.shape, rhs_scales.shape)
+        problem = check_int4_widths(depth, group)
+        if rhs.shape[2] * 2 != depth or problem:
+            raise ValueError(f"packed int4 rhs {rhs.shape} with scales {rhs_scales.shape} does not hold lhs depth "
+                             f"{depth}" + (f": {problem}" if problem else ""))
+        return WeightFormat(4, group)
+    raise ValueError(f"quantised rhs must be int8 or packed int4 (uint8), got {rhs.dtype}")
+
+
 def fit_tile(size: int, preferred: int) -> int:
     """`preferred` when it divides `size`; all of `size` when smaller; else the largest power-of-two
     divisor below `preferred` (GPU loads need powers of two, TPU blocks multiples of 128)."""
@@ -54,14 +97,56 @@ def fit_tile(size: int, preferred: int) -> int:
     return tile
 
 
+def default_precision(compute_dtype) -> jax.lax.Precision:
+    """HIGHEST for float32 operands (exact parity); DEFAULT otherwise — a bfloat16 dot is exact in
+    float32 accumulation anyway, and TPU Mosaic rejects HIGHEST on bfloat16 operands."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _row_mask(schedule_row_start, schedule_row_end, row_tile, tile_rows, shape):
     rows = row_tile * tile_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
     return (rows >= schedule_row_start) & (rows < schedule_row_end)
 
 
-def _gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_ref, rhs_ref, _zeros_ref, out_ref,
-                *, tiles, compute_dtype, precision):
-    """lhs_ref [m, k], rhs_ref [groups, n, k], out_ref [m, n] whole (Triton refs are pointers)."""
+def _scale_row(scales: jax.Array, index) -> jax.Array:
+    """Row `index` (traced) of scales [scale groups, cols] as float32 [1, cols], without a dynamic
+    slice (which Mosaic and Triton lower poorly): a select and a sum over the few groups."""
+    chosen = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0) == index
+    return jnp.sum(jnp.where(chosen, scales.astype(jnp.float32), 0.0), axis=0, keepdims=True)
+
+
+def _tile_product(lhs_parts, rhs, scales, step, fmt: WeightFormat, compute_dtype, precision) -> jax.Array:
+    """float32 [rows, cols] = lhs tile [rows, depth] · (dequantised) rhs tile ᵀ.
+
+    lhs_parts: (the lhs tile,), or for int4 its two halves [rows, depth / 2] (loaded apart: Triton
+    cannot slice a loaded value); rhs: float or int8 [cols, depth], or int4 bytes [cols, depth / 2]
+    of the `step`-th pair of groups of a row; scales: [scale groups, cols] of the whole row, or
+    None for float rhs.
+    """
+    dot = lambda a, b: jax.lax.dot_general(a.astype(compute_dtype), b.astype(compute_dtype), _A_BT,
+                                           precision=precision, preferred_element_type=jnp.float32)
+    if fmt.bits is None:
+        return dot(lhs_parts[0], rhs)
+    if fmt.bits == 8:
+        return dot(lhs_parts[0], rhs) * _scale_row(scales, 0)
+    low, high = unpack_int4_halves(rhs)
+    return (dot(lhs_parts[0], low) * _scale_row(scales, 2 * step)
+            + dot(lhs_parts[1], high) * _scale_row(scales, 2 * step + 1))
+
+
+def _lhs_parts(load, start, depth, fmt: WeightFormat) -> tuple:
+    """The lhs tile from `load(start, width)`, as `_tile_product` takes it."""
+    if fmt.bits != 4:
+        return (load(start, depth),)
+    half = depth // 2
+    return load(start, half), load(start + half, half)
+
+
+def _gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_ref, rhs_ref, *refs,
+                tiles, compute_dtype, precision, fmt):
+    """lhs_ref [m, k], rhs_ref [groups, n, k / depth_per_byte], (scales_ref [groups, s, n]), out_ref
+    [m, n] whole (Triton refs are pointers)."""
+    scales_ref, out_ref = (refs[0], refs[2]) if fmt.bits else (None, refs[1])
     work, col_tile = pl.program_id(0), pl.program_id(1)
 
     @pl.when(work < count_ref[0])
@@ -69,12 +154,14 @@ def _gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
         group, row_tile = groups_ref[work], row_tiles_ref[work]
         rows = pl.ds(pl.multiple_of(row_tile * tiles.rows, tiles.rows), tiles.rows)
         cols = pl.ds(pl.multiple_of(col_tile * tiles.cols, tiles.cols), tiles.cols)
+        stored = tiles.depth // fmt.depth_per_byte
+        scales = None if scales_ref is None else scales_ref[group, :, cols]
+        load_lhs = lambda start, width: lhs_ref[rows, pl.ds(pl.multiple_of(start, width), width)]
 
         def accumulate(step, acc):
-            depth = pl.ds(pl.multiple_of(step * tiles.depth, tiles.depth), tiles.depth)
-            lhs = lhs_ref[rows, depth].astype(compute_dtype)
-            rhs = rhs_ref[group, cols, depth].astype(compute_dtype)
-            return acc + jax.lax.dot_general(lhs, rhs, _A_BT, precision=precision, preferred_element_type=jnp.float32)
+            stored_depth = pl.ds(pl.multiple_of(step * stored, stored), stored)
+            return acc + _tile_product(_lhs_parts(load_lhs, step * tiles.depth, tiles.depth, fmt),
+                                       rhs_ref[group, cols, stored_depth], scales, step, fmt, compute_dtype, precision)
 
         steps = lhs_ref.shape[1] // tiles.depth
         acc = jax.lax.fori_loop(0, steps, accumulate, jnp.zeros((tiles.rows, tiles.cols), jnp.float32))
@@ -82,9 +169,11 @@ def _gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
         pltriton.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
-def _tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_ref, rhs_ref, _zeros_ref, out_ref,
-                acc_ref, *, tiles, compute_dtype, precision):
-    """lhs_ref [rows, depth], rhs_ref [cols, depth], out_ref [rows, cols] blocks; acc_ref float32 VMEM."""
+def _tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_ref, rhs_ref, *refs,
+                tiles, compute_dtype, precision, fmt):
+    """lhs_ref [rows, depth], rhs_ref [cols, depth / depth_per_byte], (scales_ref [s, cols]), out_ref
+    [rows, cols] blocks; acc_ref float32 VMEM."""
+    scales_ref, out_ref, acc_ref = (refs[0], refs[2], refs[3]) if fmt.bits else (None, refs[1], refs[2])
     work, step = pl.program_id(1), pl.program_id(2)
     last_step = pl.num_programs(2) - 1
     row_tile = row_tiles_ref[work]
@@ -101,8 +190,10 @@ def _tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
 
     @pl.when(in_use)
     def _accumulate():
-        acc_ref[...] += jax.lax.dot_general(lhs_ref[...].astype(compute_dtype), rhs_ref[...].astype(compute_dtype),
-                                            _A_BT, precision=precision, preferred_element_type=jnp.float32)
+        scales = None if scales_ref is None else scales_ref[...]
+        load_lhs = lambda start, width: lhs_ref[:, pl.ds(start, width)]
+        acc_ref[...] += _tile_product(_lhs_parts(load_lhs, 0, tiles.depth, fmt), rhs_ref[...], scales, step, fmt,
+                                      compute_dtype, precision)
 
     @pl.when(in_use & (step == last_step))
     def _store():
@@ -110,23 +201,25 @@ def _tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
         out_ref[...] = jnp.where(mask, acc_ref[...], out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
 
-def _build_call(variant, interpret, *, shapes, max_tiles, tiles, out_dtype, compute_dtype, precision,
-                num_warps, num_stages):
-    """The pallas_call of one driver; arguments: the 5 schedule arrays, lhs, rhs, zeros [m, n]."""
+def _build_call(variant, interpret, *, shapes, max_tiles, tiles, out_dtype, compute_dtype, precision, fmt,
+                scale_groups, num_warps, num_stages):
+    """The pallas_call of one driver; arguments: the 5 schedule arrays, lhs, rhs, (scales,) zeros [m, n]."""
     rows, depth, num_groups, cols = shapes
+    stored_depth, stored_tile = depth // fmt.depth_per_byte, tiles.depth // fmt.depth_per_byte
     out_shape = jax.ShapeDtypeStruct((rows, cols), out_dtype)
     schedule_args = 5
-    zeros_index = schedule_args + 2
-    options = dict(tiles=tiles, compute_dtype=compute_dtype, precision=precision)
+    zeros_index = schedule_args + (3 if fmt.bits else 2)
+    options = dict(tiles=tiles, compute_dtype=compute_dtype, precision=precision, fmt=fmt)
 
     if variant == "gpu":
         whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+        scale_specs = [whole((num_groups, scale_groups, cols))] if fmt.bits else []
         return pl.pallas_call(
             functools.partial(_gpu_kernel, **options),
             out_shape=out_shape,
             grid=(max_tiles, cols // tiles.cols),
             in_specs=[whole((max_tiles,))] * 4 + [whole((1,)), whole((rows, depth)),
-                      whole((num_groups, cols, depth)), whole((rows, cols))],
+                      whole((num_groups, cols, stored_depth))] + scale_specs + [whole((rows, cols))],
             out_specs=whole((rows, cols)),
             input_output_aliases={zeros_index: 0},
             compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -146,15 +239,19 @@ def _build_call(variant, interpret, *, shapes, max_tiles, tiles, out_dtype, comp
     def rhs_index(col, work, step, groups, row_tiles, starts, ends, count):
         return groups[work], col, depth_step(work, step, count)
 
+    def scales_index(col, work, step, groups, row_tiles, starts, ends, count):
+        return groups[work], 0, col  # the row's every scale group (a few), one block per expert tile
+
     def out_index(col, work, step, groups, row_tiles, starts, ends, count):
         return row_tiles[work], col
 
+    scale_specs = [pl.BlockSpec((None, scale_groups, tiles.cols), scales_index)] if fmt.bits else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=schedule_args,
         grid=(cols // tiles.cols, max_tiles, steps),
         in_specs=[pl.BlockSpec((tiles.rows, tiles.depth), lhs_index),
-                  pl.BlockSpec((None, tiles.cols, tiles.depth), rhs_index),
-                  pl.BlockSpec(memory_space=pl.ANY)],
+                  pl.BlockSpec((None, tiles.cols, stored_tile), rhs_index)] + scale_specs
+                 + [pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((tiles.rows, tiles.cols), out_index),
         scratch_shapes=[pltpu.VMEM((tiles.rows, tiles.cols), jnp.float32)],
     )
@@ -175,57 +272,69 @@ def grouped_matmul(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    rhs_scales: jax.Array | None = None,
     active_groups: jax.Array | None = None,
     preferred_element_type: jnp.dtype | None = None,
     tiles: Tiles | None = None,
     variant: Variant = "auto",
     interpret: bool | None = None,
-    precision: jax.lax.Precision = jax.lax.Precision.HIGHEST,
+    precision: jax.lax.Precision | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g(r)]ᵀ for rows sorted by group.
 
-    lhs: [rows, depth]; rhs: [groups, cols, depth] (the checkpoint's [out, in]); group_sizes: int32 [groups]
+    lhs: [rows, depth]; rhs: [groups, cols, depth] (the checkpoint's [out, in]) float, or quantised
+        with `rhs_scales`: int8 [groups, cols, depth] with scales [groups, 1, cols], or packed int4
+        uint8 [groups, cols, depth / 2] with scales [groups, depth / group, cols]
+        (`pallas_kernels.quantized_weights`); group_sizes: int32 [groups]
     active_groups: int32 [listed] (static length) or None: only these groups are computed and
         only their weights are read; rows of other groups give 0
     returns [rows, cols] in `preferred_element_type` (default lhs.dtype), accumulated in float32;
     rows past Σ group_sizes give 0.
 
     `tiles` (rows, cols, depth) defaults to GPU_TILES / TPU_TILES per driver, shrunk to divide the
-    shapes (`fit_tile`). `variant`/`interpret` pick the driver per platform (`platforms.py`).
+    shapes (`fit_tile`); an int4 contraction tile is always one pair of groups. `precision`
+    defaults to `default_precision` of the operands. `variant`/`interpret` pick the driver per
+    platform (`platforms.py`).
     """
     rows, depth = lhs.shape
-    num_groups, cols, rhs_depth = rhs.shape
-    if rhs_depth != depth or group_sizes.shape != (num_groups,):
+    num_groups, cols, _ = rhs.shape
+    fmt = weight_format(rhs, rhs_scales, depth)
+    if rhs.shape[2] * fmt.depth_per_byte != depth or group_sizes.shape != (num_groups,):
         raise ValueError(f"lhs {lhs.shape}, rhs {rhs.shape} and group_sizes {group_sizes.shape} must be "
                          "[rows, depth], [groups, cols, depth] and [groups]")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    compute_dtype = lhs.dtype if fmt.bits else jnp.promote_types(lhs.dtype, rhs.dtype)
+    precision = default_precision(compute_dtype) if precision is None else precision
     listed = num_groups if active_groups is None else active_groups.shape[0]
     if rows == 0 or listed == 0:
         return jnp.zeros((rows, cols), out_dtype)
+    scale_groups = 0 if rhs_scales is None else rhs_scales.shape[1]
 
     def build(chosen_variant, chosen_interpret):
         preferred = tiles or (TPU_TILES if chosen_variant == "tpu" else GPU_TILES)
         # GPU dots need >= 16 rows; small decode batches get one padded tile instead of a long list.
         tile_rows = min(preferred.rows, max(16, pl.next_power_of_2(rows)))
-        chosen = Tiles(tile_rows, fit_tile(cols, preferred.cols), fit_tile(depth, preferred.depth))
+        tile_depth = 2 * fmt.group if fmt.bits == 4 else fit_tile(depth, preferred.depth)
+        chosen = Tiles(tile_rows, fit_tile(cols, preferred.cols), tile_depth)
         padded_rows = rows + (-rows) % chosen.rows
         max_tiles = -(-padded_rows // chosen.rows) + min(listed, padded_rows) - 1
         call = _build_call(chosen_variant, chosen_interpret, shapes=(padded_rows, depth, num_groups, cols),
                            max_tiles=max(1, max_tiles), tiles=chosen, out_dtype=out_dtype,
-                           compute_dtype=compute_dtype, precision=precision, num_warps=num_warps,
-                           num_stages=num_stages)
+                           compute_dtype=compute_dtype, precision=precision, fmt=fmt, scale_groups=scale_groups,
+                           num_warps=num_warps, num_stages=num_stages)
 
-        def run(lhs, rhs, group_sizes, *active):
-            schedule: WorkTiles = work_tiles(group_sizes, rows, chosen.rows, active[0] if active else None)
+        def run(lhs, rhs, group_sizes, *extra):
+            scales = extra[:1] if fmt.bits else ()
+            active = extra[len(scales)] if len(extra) > len(scales) else None
+            schedule: WorkTiles = work_tiles(group_sizes, rows, chosen.rows, active)
             padded = jnp.pad(lhs, [(0, padded_rows - rows), (0, 0)])
             zeros = jnp.zeros((padded_rows, cols), out_dtype)
-            return call(*schedule, padded, rhs, zeros)[:rows]
+            return call(*schedule, padded, rhs, *scales, zeros)[:rows]
 
         return run
 
     run = per_platform(build, variant, interpret)
-    active = () if active_groups is None else (active_groups,)
-    return run(lhs, rhs, group_sizes, *active)
+    extra = (() if rhs_scales is None else (rhs_scales,)) + (() if active_groups is None else (active_groups,))
+    return run(lhs, rhs, group_sizes, *extra)

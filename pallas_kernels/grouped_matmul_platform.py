@@ -1,10 +1,11 @@
 """Which grouped-matmul kernel to use on a platform, including the ones JAX ships.
 
-* TPU, every group: megablox `gmm` (`jax.experimental.pallas.ops.tpu.megablox`), which takes the
-  [groups, out, in] layout directly (`transpose_rhs=True`) and is JAX's tuned TPU kernel. It
-  leaves rows past Σ group_sizes undefined, so they are zeroed here. It has no "only these
-  groups" form (its `group_offset` selects a contiguous range, for sharded experts), so
-  `active_groups` uses our kernel.
+* TPU, every group, float weights: megablox `gmm` (`jax.experimental.pallas.ops.tpu.megablox`),
+  which takes the [groups, out, in] layout directly (`transpose_rhs=True`) and is JAX's tuned
+  TPU kernel. It leaves rows past Σ group_sizes undefined, so they are zeroed here. It has no
+  "only these groups" form (its `group_offset` selects a contiguous range, for sharded experts),
+  so `active_groups` uses our kernel; it takes bfloat16 / float32 weights only, so quantised
+  weights (read in place, dequantised per tile) use our kernel too.
 * GPU: our Triton kernel (`grouped_matmul`). JAX's Hopper kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, TMA + wgmma) is available as
   `kernel="mosaic_gpu"` but not the default: it is written for a few large groups (the group
@@ -29,14 +30,14 @@ from pallas_kernels.platforms import platform_name
 Kernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
 
 
-def kernel_for(platform: str, kernel: Kernel, has_active_groups: bool) -> str:
+def kernel_for(platform: str, kernel: Kernel, has_active_groups: bool, quantized: bool = False) -> str:
     """The kernel `kernel="auto"` means on `platform` ("cpu", "gpu", "tpu"; "cuda"/"rocm" mean "gpu")."""
     if kernel != "auto":
         return kernel
     platform = platform_name(platform)
     if platform == "cpu":
         return "xla"
-    if platform == "tpu" and not has_active_groups:
+    if platform == "tpu" and not has_active_groups and not quantized:
         return "megablox"
     return "pallas"
 
@@ -73,28 +74,33 @@ def grouped_matmul_for_platform(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    rhs_scales: jax.Array | None = None,
     active_groups: jax.Array | None = None,
     preferred_element_type: jnp.dtype | None = None,
     kernel: Kernel = "auto",
     interpret: bool = False,
 ) -> jax.Array:
-    """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth]) with the kernel
+    """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth] float, or int8 /
+    packed int4 with `rhs_scales`) with the kernel
     chosen for `platform` ("cpu", "gpu", "tpu", e.g. `jax.default_backend()`; an export target's
     "cuda" or "rocm" means "gpu", `platforms.platform_name`). `interpret` runs the Pallas choices
     in interpret mode (tests on CPU)."""
     platform = platform_name(platform)
-    chosen = kernel_for(platform, kernel, active_groups is not None)
+    chosen = kernel_for(platform, kernel, active_groups is not None, rhs_scales is not None)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
         raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")
+    if chosen in ("megablox", "mosaic_gpu") and rhs_scales is not None:
+        raise ValueError(f"kernel={chosen!r} takes float weights; use kernel='pallas' for quantised weights")
     if chosen == "xla":
-        return grouped_matmul_reference(lhs, rhs, group_sizes, active_groups=active_groups,
+        return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                                         preferred_element_type=out_dtype)
     if chosen == "megablox":
         return _megablox(lhs, rhs, group_sizes, out_dtype, interpret)
     if chosen == "mosaic_gpu":
         return _mosaic_gpu(lhs, rhs, group_sizes, out_dtype)
     if chosen == "pallas":
-        return grouped_matmul(lhs, rhs, group_sizes, active_groups=active_groups, preferred_element_type=out_dtype,
-                              variant="tpu" if platform == "tpu" else "gpu", interpret=interpret)
+        return grouped_matmul(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
+                              preferred_element_type=out_dtype, variant="tpu" if platform == "tpu" else "gpu",
+                              interpret=interpret)
     raise ValueError(f"kernel must be one of auto, pallas, megablox, mosaic_gpu, xla; got {kernel!r}")

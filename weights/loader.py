@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec
+from clover_jax.core.quantization import QuantSpec, place
 from clover_jax.core.quantization import quantize as quantize_weight
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
@@ -118,7 +118,7 @@ def load_params(
                     bar.update(region.nbytes)
                 if leaf_quantize is not None:
                     quantized = quantize_weight(buffer, leaf_quantize)
-                    _set_path(params, path, QuantizedWeight(*(jax.device_put(part, sharding) for part in quantized)))
+                    _set_path(params, path, place(quantized, sharding))
                 else:
                     _set_path(params, path, jax.device_put(buffer, sharding))
                 del buffer

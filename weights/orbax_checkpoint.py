@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantize
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, scales_sharding
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.finite_check import require_finite_array
 from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for
@@ -52,7 +52,10 @@ from weights.staging import contains, make_staging, remove_stale_staging
 logger = logging.getLogger(__name__)
 
 FORMAT = "clover-jax-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 stores quantised weights in today's layout (int4 packed in pairs of groups, scales
+# [..., groups, out]; pallas_kernels.quantized_weights); a quantised version-1 directory is refused.
+FIRST_QUANTIZED_LAYOUT_VERSION = 2
 # Weight files in any format are not copied; every other top-level file is (config, tokenizer, ...).
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth",
                    ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -257,6 +260,11 @@ def read_manifest(directory: str | os.PathLike) -> OrbaxManifest:
     if manifest.format_version > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {manifest.format_version}; this clover-jax reads up to "
                               f"{FORMAT_VERSION} (upgrade clover-jax or reconvert)")
+    if manifest.quantization is not None and manifest.format_version < FIRST_QUANTIZED_LAYOUT_VERSION:
+        raise CheckpointError(f"{path}: its {manifest.quantization} weights are stored in the layout of format version "
+                              f"{manifest.format_version}, which this clover-jax no longer reads; reconvert with "
+                              f"convert_to_orbax(hf_dir, {directory!r}, quantize={manifest.quantization!r}, "
+                              "overwrite=True)")
     return manifest
 
 
@@ -301,6 +309,8 @@ def load_orbax_params(
         is_part = path[-1] in QUANTIZED_PARTS and spec is not None and spec.applies_to(path[:-1])
         weight_path = path[:-1] if is_part else path
         sharding = sharding_for(weight_path, shape) if sharding_for else default
+        if is_part and path[-1] == "scales":
+            sharding = scales_sharding(sharding, len(shape))
         return jax.ShapeDtypeStruct(shape, stored_dtype if is_part else target_dtype, sharding=sharding)
 
     targets = {path: target(path, shape, stored_dtype) for path, (shape, stored_dtype) in stored.items()}
@@ -348,9 +358,7 @@ def _expected_layout(config: CloverConfig, spec: QuantSpec | None) -> dict[Path,
         if spec is None or not spec.applies_to(path):
             expected[path] = tuple(shape)
             continue
-        parts = quantize(np.zeros((1, shape[-1]), np.float32), spec)
-        expected[path + ("values",)] = tuple(shape[:-1]) + parts.values.shape[-1:]
-        expected[path + ("scales",)] = tuple(shape[:-1]) + parts.scales.shape[-1:]
+        expected[path + ("values",)], expected[path + ("scales",)] = spec.stored_shapes(tuple(shape))
     return expected
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, scales_sharding
 from clover_jax.core.quantization import quantize as quantize_weight
 from weights.checkpoint_files import CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
@@ -41,11 +41,12 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
         return array, sum(region.nbytes for region in reads.values())
     # Quantised: each slice is read and quantised once; values and scales are built from it.
     # Slices never cut the input dimension (it is not sharded), so int4 groups stay whole.
+    # Scales are [..., groups, out] (the weight's last two axes swapped), and so is their sharding.
     quantized: dict[tuple, QuantizedWeight] = {}
     float_bytes = []
 
     def quantized_slice(index: tuple) -> QuantizedWeight:
-        index = index[:-1] + (slice(0, shape[-1]),)  # the float slice behind a values/scales slice
+        index = index[:-1] + (slice(0, shape[-1]),)  # the float slice behind a values slice
         key = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
         if key not in quantized:
             region = read_slice(index)
@@ -54,11 +55,11 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
             del reads[key]
         return quantized[key]
 
-    full = quantize_weight(np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), quantize)
-    values_shape = shape[:-1] + full.values.shape[-1:]
-    scales_shape = shape[:-1] + full.scales.shape[-1:]
+    scales_index = lambda index: index[:-2] + (index[-1], slice(None))  # -> the float slice's index
+    values_shape, scales_shape = quantize.stored_shapes(shape)
     values = jax.make_array_from_callback(values_shape, sharding, lambda index: quantized_slice(index).values)
-    scales = jax.make_array_from_callback(scales_shape, sharding, lambda index: quantized_slice(index).scales)
+    scales = jax.make_array_from_callback(scales_shape, scales_sharding(sharding, len(shape)),
+                                          lambda index: quantized_slice(scales_index(index)).scales)
     return QuantizedWeight(values, scales), sum(float_bytes)
 
 

@@ -3,21 +3,28 @@
 A quantised weight `[..., out, in]` is a `QuantizedWeight(values, scales)` pytree that takes the
 float weight's place in the parameter tree:
 
-* int8: `values` int8 `[..., out, in]`, `scales` bfloat16 `[..., out, 1]`, `w ≈ values × scale`
+* int8: `values` int8 `[..., out, in]`, `scales` bfloat16 `[..., 1, out]`, `w ≈ values × scale`
   with `scale = max|w_row| / 127`;
-* int4: `values` uint8 `[..., out, in / 2]` — two 4-bit codes per byte (even input index in the
-  low nibble), so the array holds exactly 4 bits per weight on every backend — and `scales`
-  bfloat16 `[..., out, in / group]` with `scale = max|w_group| / 7`, codes in [-8, 7].
+* int4: `values` uint8 `[..., out, in / 2]` — two 4-bit codes per byte, so the array holds
+  exactly 4 bits per weight on every backend — and `scales` bfloat16 `[..., in / group, out]`
+  with `scale = max|w_group| / 7`, codes in [-8, 7].
 
-Matmuls dequantise on the fly: the routed experts dequantise only the expert a tile uses
-(`clover_jax.nn.expert_dispatch`), dense layers their weight before the matmul (`layers.Linear`).
+Which inputs share a byte, and why scales are one row per group, is the layout of
+`pallas_kernels.quantized_weights`, the one the kernels read in place. Scales are sharded as
+their weight with the last two axes swapped (`scales_sharding`).
+
+Matmuls dequantise on the fly: on accelerators the routed experts' grouped matmul dequantises
+tile by tile inside the kernel (`pallas_kernels.grouped_matmul`), so no float copy of an expert
+exists; the XLA path dequantises only the expert a tile uses (`clover_jax.nn.expert_dispatch`);
+dense layers dequantise their weight before the matmul (`layers.Linear`).
 Quantisation happens at load time, one parameter at a time (`weights.load_params(quantize=...)`),
 so the unquantised model is never held whole.
 
 int4 groups: plain `"int4"` asks for the default group of 128 inputs; on a model whose quantised
-input widths 128 does not divide, it takes the largest even group below 128 that divides them
-all (logged). An explicit group (`"int4-g128"`, `QuantSpec(4, group_size=128)`) that does not
-divide every width is refused before any weight is read.
+input widths are not multiples of 2 × 128 (the layout packs pairs of groups), it takes the
+largest even group below 128 whose double divides them all (logged). An explicit group
+(`"int4-g128"`, `QuantSpec(4, group_size=128)`) that does not fit every width is refused
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import ml_dtypes
 import numpy as np
 
 from clover_jax.core.params import ALWAYS, DENSE, find_param
+from pallas_kernels.quantized_weights import check_int4_widths, dequantized, pack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +49,7 @@ DEFAULT_GROUP = 128
 
 
 class QuantizedWeight(NamedTuple):
-    """values: int8 [..., out, in] or packed uint8 [..., out, in / 2]; scales: bfloat16 [..., out, groups]."""
+    """values: int8 [..., out, in] or packed uint8 [..., out, in / 2]; scales: bfloat16 [..., groups, out]."""
 
     values: jax.Array
     scales: jax.Array
@@ -104,34 +112,45 @@ class QuantSpec:
         return row is not None and (row.quantize == ALWAYS or self.dense and row.quantize == DENSE)
 
     def check_shape(self, path: tuple[str, ...], shape: tuple[int, ...]) -> None:
-        if self.bits == 4 and shape[-1] % self.group_size:
-            raise ValueError(f"{'/'.join(path)} has input dimension {shape[-1]}, not a multiple of the int4 "
-                             f"group_size {self.group_size}; choose a group_size that divides it")
+        problem = check_int4_widths(shape[-1], self.group_size) if self.bits == 4 else None
+        if problem:
+            raise ValueError(f"{'/'.join(path)}: {problem}; choose a group_size whose double divides it")
 
     def fitted(self, layout: Mapping[tuple[str, ...], tuple[int, ...]]) -> "QuantSpec":
         """This spec for a model whose parameters have `layout` ({path: shape}, `flat_layout`).
 
-        An explicit int4 group must divide every quantised input width (ValueError naming the
-        first parameter it does not divide). With `fit_group` (plain "int4") the group becomes the
-        largest even number <= group_size that divides them all, logged when it is not group_size.
+        An explicit int4 group must fit every quantised input width — twice the group divides it,
+        since the layout packs pairs of groups (ValueError naming the first parameter it does not
+        fit). With `fit_group` (plain "int4") the group becomes the largest even number
+        <= group_size that fits them all, logged when it is not group_size.
         The result has `fit_group` False, so its `name` records the group used.
         """
         quantised = [(path, tuple(shape)) for path, shape in layout.items() if self.applies_to(path)]
         exact = dataclasses.replace(self, fit_group=False)
-        if self.bits != 4 or all(shape[-1] % self.group_size == 0 for _, shape in quantised):
+        if self.bits != 4 or all(check_int4_widths(shape[-1], self.group_size) is None for _, shape in quantised):
             return exact
         if not self.fit_group:
             for path, shape in quantised:
                 self.check_shape(path, shape)
         widths = sorted({shape[-1] for _, shape in quantised})
         common = math.gcd(*widths)
-        group = next((size for size in range(self.group_size, 1, -2) if common % size == 0), None)
+        group = next((size for size in range(self.group_size, 1, -2) if common % (2 * size) == 0), None)
         if group is None:
-            raise ValueError(f"int4 needs a group of an even number of inputs that divides every quantised input "
-                             f"width, and the widths {widths} have none; use int8")
-        logger.info("int4: group_size %d does not divide the quantised input widths %s; using %d, the largest even "
-                    "group that does (ask for 'int4-g<N>' to choose)", self.group_size, widths, group)
+            raise ValueError(f"int4 needs an even group whose double divides every quantised input width, and the "
+                             f"widths {widths} have none; use int8")
+        logger.info("int4: group_size %d does not fit the quantised input widths %s; using %d, the largest even "
+                    "group whose double divides them (ask for 'int4-g<N>' to choose)", self.group_size, widths, group)
         return dataclasses.replace(exact, group_size=group)
+
+    def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(values shape, scales shape) of the quantised form of a float weight of `shape` [..., out, in]."""
+        lead, out, inputs = tuple(shape[:-2]), shape[-2], shape[-1]
+        if self.bits == 8:
+            return lead + (out, inputs), lead + (1, out)
+        return lead + (out, inputs // 2), lead + (inputs // self.group_size, out)
+
+    def stored_dtypes(self) -> tuple[np.dtype, np.dtype]:
+        return np.dtype(np.int8 if self.bits == 8 else np.uint8), np.dtype(SCALE_DTYPE)
 
     def stored_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of the quantised form of a float weight of `shape` (values + bfloat16 scales)."""
@@ -148,30 +167,37 @@ def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
         scale = np.max(np.abs(weight), axis=-1, keepdims=True) / 127.0
         safe = np.where(scale > 0, scale, 1.0)
         codes = np.clip(np.rint(weight / safe), -127, 127).astype(np.int8)
-        return QuantizedWeight(codes, scale.astype(SCALE_DTYPE))
+        return QuantizedWeight(codes, np.swapaxes(scale, -1, -2).astype(SCALE_DTYPE))
     grouped = weight.reshape(weight.shape[:-1] + (weight.shape[-1] // spec.group_size, spec.group_size))
     scale = np.max(np.abs(grouped), axis=-1, keepdims=True) / 7.0
     safe = np.where(scale > 0, scale, 1.0)
     codes = np.clip(np.rint(grouped / safe), -8, 7).astype(np.int8).reshape(weight.shape)
-    nibbles = (codes & 0xF).astype(np.uint8)
-    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return QuantizedWeight(packed, scale[..., 0].astype(SCALE_DTYPE))
+    return QuantizedWeight(pack_int4(codes, spec.group_size), np.swapaxes(scale[..., 0], -1, -2).astype(SCALE_DTYPE))
+
+
+def scales_sharding(sharding: "jax.sharding.Sharding", rank: int) -> "jax.sharding.Sharding":
+    """The sharding of the scales of a weight of `rank` axes placed with `sharding`: the same
+    placement with the last two axes swapped (scales are [..., groups, out])."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+
+
+def place(weight: "QuantizedWeight | np.ndarray", sharding: "jax.sharding.Sharding | None"):
+    """`jax.device_put` of a float or quantised weight with the sharding of the float weight."""
+    if not isinstance(weight, QuantizedWeight):
+        return jax.device_put(weight, sharding)
+    rank = weight.values.ndim
+    return QuantizedWeight(jax.device_put(weight.values, sharding),
+                           jax.device_put(weight.scales, None if sharding is None else scales_sharding(sharding, rank)))
 
 
 def dequantize(weight: "QuantizedWeight | jax.Array", dtype) -> jax.Array:
     """The float weight [..., out, in] in `dtype` (a float array is returned cast)."""
     if not isinstance(weight, QuantizedWeight):
         return weight.astype(dtype)
-    scales = weight.scales.astype(jnp.float32)
-    if weight.bits == 8:
-        return (weight.values.astype(jnp.float32) * scales).astype(dtype)
-    low = (weight.values & 0xF).astype(jnp.int8)
-    high = (weight.values >> 4).astype(jnp.int8)
-    sign_extend = lambda nibble: jnp.where(nibble >= 8, nibble - 16, nibble)
-    codes = jnp.stack([sign_extend(low), sign_extend(high)], axis=-1).reshape(weight.shape)
-    groups = scales.shape[-1]
-    grouped = codes.reshape(codes.shape[:-1] + (groups, codes.shape[-1] // groups)).astype(jnp.float32)
-    return (grouped * scales[..., None]).reshape(codes.shape).astype(dtype)
+    return dequantized(weight.values, weight.scales, dtype)
 
 
 def take(weight: "QuantizedWeight | jax.Array", index) -> "QuantizedWeight | jax.Array":

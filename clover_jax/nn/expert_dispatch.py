@@ -6,8 +6,9 @@ Two implementations of one function, chosen by `KernelChoice.moe`:
 * "xla" (`routed_expert_mlp`, below);
 * "pallas" (`grouped_expert_mlp`): the pairs sorted by expert go through two grouped matmuls
   (`pallas_kernels.grouped_matmul_for_platform`: megablox `gmm` on TPU, our Pallas kernel on
-  GPU, interpret mode on CPU); experts that no pair uses get no work tiles, so their weights are
-  never read — with the block coreset, a denoising step reads only the coreset's experts.
+  GPU and for quantised experts, interpret mode on CPU); experts that no pair uses get no work
+  tiles, so their weights are never read — with the block coreset, a denoising step reads only
+  the coreset's experts. Quantised experts stay quantised: the kernel dequantises each tile.
 
 The XLA form loops over experts, not over pairs. The pairs are sorted by expert; an outer
 `while_loop` visits the experts that at least one pair uses (as many iterations as there are
@@ -29,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from clover_jax.core.quantization import dequantize, take
+from clover_jax.core.quantization import QuantizedWeight, dequantize, take
 
 
 # A layer whose routed experts hold at most this many parameters in all has every expert evaluated
@@ -169,15 +170,18 @@ def grouped_expert_mlp(
     num_experts = gate_up_proj.shape[0]
     from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
 
-    # The Pallas grouped matmul has no quantised variant yet: quantised experts are dequantised whole.
-    gate_up_proj, down_proj = dequantize(gate_up_proj, tokens.dtype), dequantize(down_proj, tokens.dtype)
     flat_experts = expert_ids.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts sort last, past every group
     sorted_tokens = order // top_k
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-    matmul = lambda rows, weights: grouped_matmul_for_platform(
-        platform, rows, weights, group_sizes,
-        kernel="pallas" if platform == "cpu" else "auto", interpret=platform == "cpu")
+
+    def matmul(rows, weights):
+        # Quantised experts are read as stored and dequantised tile by tile inside the kernel.
+        values, scales = (weights.values, weights.scales) if isinstance(weights, QuantizedWeight) else (weights, None)
+        return grouped_matmul_for_platform(platform, rows, values, group_sizes, rhs_scales=scales,
+                                           kernel="pallas" if platform == "cpu" else "auto",
+                                           interpret=platform == "cpu")
+
     gate, up = jnp.split(matmul(tokens[sorted_tokens], gate_up_proj), 2, axis=-1)
     pair_outputs = matmul(jax.nn.silu(gate) * up, down_proj)  # rows of dropped pairs are 0
     pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)

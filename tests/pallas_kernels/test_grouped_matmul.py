@@ -131,3 +131,74 @@ def test_megablox_choice_for_tpu_matches_oracle_and_zeroes_rows_past_the_total()
     sizes = jnp.array([10, 0, 17, 3, 0], jnp.int32)
     out = jax.jit(lambda *args: grouped_matmul_for_platform("tpu", *args, interpret=True))(lhs, rhs, sizes)
     assert_close(out, per_row_numpy(lhs, rhs, sizes))
+
+
+# ---------------------------------------------------------------------- quantised weights, read in place
+def quantised_operands(rows: int, groups: int, bits: int, seed: int, depth: int = 64, group_size: int = 16):
+    """bf16 lhs and a float rhs quantised as the model stores it (`clover_jax.core.quantization`)."""
+    from clover_jax.core.quantization import QuantSpec, quantize
+
+    rng = np.random.RandomState(seed)
+    lhs = jnp.asarray(rng.randn(rows, depth), jnp.bfloat16)
+    values, scales = quantize(rng.randn(groups, COLS, depth), QuantSpec(bits, group_size=group_size))
+    return lhs, jnp.asarray(values), jnp.asarray(scales)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_weights_dequantised_in_the_kernel_equal_dequantise_then_matmul(variant, bits):
+    from pallas_kernels.quantized_weights import dequantized
+
+    sizes, active = [10, 0, 17, 3, 0, 12], [5, 2, 0]
+    lhs, values, scales = quantised_operands(50, len(sizes), bits, seed=bits)
+    weights = dequantized(values, scales, jnp.float32)  # what the kernel must never materialise
+    for listed in (None, active):
+        out = run_kernel(lhs, values, sizes, listed, rhs_scales=scales, variant=variant,
+                         preferred_element_type=jnp.float32)
+        # codes and bf16 scales are exact in float32: the kernel's dot of codes, scaled after, is
+        # dequantise-then-matmul up to float32 accumulation
+        expected = per_row_numpy(lhs, weights, sizes, listed)
+        assert_close(out, expected, rtol=1e-5)
+        oracle = grouped_matmul_reference(lhs, values, jnp.asarray(sizes, jnp.int32), rhs_scales=scales,
+                                          active_groups=None if listed is None else jnp.asarray(listed, jnp.int32),
+                                          preferred_element_type=jnp.float32)
+        assert_close(out, np.asarray(oracle), rtol=1e-5)
+
+
+def test_int4_tiles_are_pairs_of_groups_whatever_depth_tile_is_asked_for():
+    lhs, values, scales = quantised_operands(20, 3, 4, seed=9, depth=128, group_size=16)
+    sizes = [5, 9, 6]
+    from pallas_kernels.quantized_weights import dequantized
+
+    expected = per_row_numpy(lhs, dequantized(values, scales, jnp.float32), sizes)
+    for tiles in (Tiles(16, 16, 16), Tiles(16, 48, 128)):
+        out = run_kernel(lhs, values, sizes, rhs_scales=scales, tiles=tiles, variant="tpu",
+                         preferred_element_type=jnp.float32)
+        assert_close(out, expected)
+
+
+def test_quantised_rhs_without_scales_or_with_mismatched_scales_is_refused():
+    lhs, values, scales = quantised_operands(8, 2, 4, seed=1)
+    sizes = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="pass its rhs_scales"):
+        grouped_matmul(lhs, values, sizes, interpret=True)
+    with pytest.raises(ValueError, match="does not hold lhs depth"):
+        grouped_matmul(lhs[:, :32], values, sizes, rhs_scales=scales, interpret=True)
+    with pytest.raises(ValueError, match="megablox.*float weights"):
+        grouped_matmul_for_platform("tpu", lhs, values, sizes, rhs_scales=scales, kernel="megablox")
+    from pallas_kernels.grouped_matmul_platform import kernel_for
+
+    assert kernel_for("tpu", "auto", False, quantized=True) == "pallas"  # megablox takes float weights only
+
+
+def test_int4_packing_round_trips_and_pairs_whole_groups_in_each_byte():
+    from pallas_kernels.quantized_weights import pack_int4, unpack_int4
+
+    codes = np.random.RandomState(0).randint(-8, 8, (3, 64)).astype(np.int8)
+    packed = pack_int4(codes, 16)
+    assert packed.shape == (3, 32) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), 16)), codes)
+    # byte 16·q + j holds inputs 32·q + j (low nibble) and 32·q + 16 + j (high nibble)
+    assert (packed[0, 17] & 0xF) == (codes[0, 33] & 0xF) and (packed[0, 17] >> 4) == (codes[0, 49] & 0xF)
+    with pytest.raises(ValueError, match="multiple of 2 x group_size"):
+        pack_int4(codes[:, :48], 16)

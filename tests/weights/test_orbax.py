@@ -330,7 +330,7 @@ def test_a_quantised_conversion_loads_without_quantising_again(clover_checkpoint
 
     out = tmp_path / "int4"
     manifest = convert_to_orbax(clover_checkpoint, out, progress=False, quantize="int4")
-    assert manifest.quantization == "int4-g32"  # the group plain "int4" took: 128 does not divide 64 and 32
+    assert manifest.quantization == "int4-g16"  # the group plain "int4" took: 64 and 32 hold pairs of 16, not of 128
     expected = CloverModel.from_pretrained(clover_checkpoint, progress=False, quantize="int4")
     monkeypatch.setattr(loader, "quantize_weight", lambda *a: pytest.fail("quantised again while loading"))
     loaded = CloverModel.from_pretrained(out, progress=False)
