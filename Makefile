@@ -27,8 +27,11 @@ $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(STAMP)
 
+# One pytest worker per core (2 on CI); each test file runs whole on one worker, so its module fixtures are built once.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The bundled tiny Clover (clover_jax/bundled/tiny-clover, trained to sort digits) answering from the command
 # line, each block shown as it is denoised: first with its shipped decoding controls, then two positions per

@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import find_param
-from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.param_layout import flat_layout, nested
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, scales_sharding
 from clover_jax.core.state import GDNState, KVCache, ModelState
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,24 @@ class MeshSharding:
                 layers[name] = GDNState(conv=self.sharding(("layers", "batch", None, None), batch),
                                         recurrent=self.sharding(("layers", "batch", "value_heads", None, None), batch))
         return ModelState(length=self.sharding(()), start=self.sharding(("batch",), batch), layers=layers)
+
+    def abstract_params(self, dtype: Any, quantize: "QuantSpec | None" = None) -> dict:
+        """The parameter pytree as `jax.ShapeDtypeStruct`s in `dtype`, each with its sharding, and
+        the weights `quantize` applies to as `QuantizedWeight`s of values and scales: what
+        compiling a program for this mesh needs, without allocating anything."""
+        layout = flat_layout(self.config)
+        spec = None if quantize is None else quantize.fitted(layout)
+        leaves = {}
+        for path, shape in layout.items():
+            sharding = self.param_sharding(path)
+            if spec is not None and spec.applies_to(path):
+                (values_shape, scales_shape), (values_dtype, scales_dtype) = spec.stored_shapes(shape), spec.stored_dtypes()
+                leaves[path] = QuantizedWeight(
+                    jax.ShapeDtypeStruct(values_shape, values_dtype, sharding=sharding),
+                    jax.ShapeDtypeStruct(scales_shape, scales_dtype, sharding=scales_sharding(sharding, len(shape))))
+            else:
+                leaves[path] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return nested(leaves)
 
     def batch_sharding(self, batch: int, rank: int) -> NamedSharding:
         """Sharding of a [batch, ...] input of `rank` dimensions: batch over the data axis."""

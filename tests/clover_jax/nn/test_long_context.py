@@ -105,10 +105,10 @@ def test_memory_estimate_counts_parameters_and_state_exactly(clover):
 
 def test_a_request_that_cannot_fit_is_refused_before_compute(clover, monkeypatch):
     import clover_jax.parallel.memory as memory
-    import decoding.generation as generation
+    import decoding.layouts as layouts
 
     calls = []
-    monkeypatch.setattr(generation, "run_block_decoder", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts, "run_block_decoder", lambda *args: calls.append(args))
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: 1000)
     monkeypatch.setattr(clover, "fitted_requests", set())  # as if this request shape were new
     with pytest.raises(ValueError, match="this request needs about .* but only 0.00 GB are free"):
