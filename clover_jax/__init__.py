@@ -17,7 +17,7 @@ _EXPORTS = {
     "CloverConfig": "clover_jax.core.config",
     "ConfigError": "clover_jax.core.config",
     "choose_kernels": "clover_jax.core.kernels",
-    "plan": "clover_jax.parallel.planner",
+    "plan": "clover_jax.api.plan",
     "QuantSpec": "clover_jax.core.quantization",
     "MeshSharding": "clover_jax.parallel.sharding",
     "MeshPlan": "clover_jax.parallel.sharding",  # deprecated: MeshSharding
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from clover_jax.api.clover_model import CloverModel
     from clover_jax.core.config import CloverConfig, ConfigError
     from clover_jax.core.kernels import choose_kernels
-    from clover_jax.parallel.planner import plan
+    from clover_jax.api.plan import plan
     from clover_jax.core.quantization import QuantSpec
     from clover_jax.parallel.sharding import MeshSharding, ShardingRules, make_mesh
 

@@ -1,7 +1,8 @@
 """The TPU and GPU compilers, kept beside the environment rather than in it.
 
 Deviceless compilation needs the `libtpu` that `jax[tpu]` pins for the installed jax, the CUDA
-plugin and PJRT of the installed jaxlib, and ptxas (`nvidia-cuda-nvcc-cu12`). Installed into
+plugin and PJRT of the installed jaxlib, and ptxas (`nvidia-cuda-nvcc-cu12`): clover-jax's `aot`
+extra names them, pinned for the jax it is tested with. Installed into
 site-packages they are on every process's path, and `import jax` then loads the CUDA plugin's
 libraries (printing several "could not find cuda drivers" lines on a machine without a GPU) and
 tries the TPU runtime at the first `jax.devices()` (about thirty lines of errors without a TPU).
@@ -12,8 +13,8 @@ clover_jax, the CLI and CPU decoding never see them.
     python -m clover_jax.parallel.compilers install     # what `make test` runs
     python -m clover_jax.parallel.compilers status
 
-Compilers installed into the environment itself (`pip install "jax[tpu]" jax-cuda12-plugin ...`)
-work as well: the compile subprocess finds them on its ordinary path.
+`pip install "clover-jax[aot]"` installs the same packages into the environment itself; the compile
+subprocess finds them there too, at the price of the noise above in every process.
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ def compilers_dir() -> Path:
 
 
 def requirements() -> list[str]:
-    """pip requirements of the compilers that match the installed jax and jaxlib."""
+    """The pip requirements of clover-jax's `aot` extra (pyproject.toml), checked against the
+    installed jaxlib: the CUDA plugin must be built for it."""
+    requires = importlib.metadata.requires("clover-jax") or []
+    wanted = [requirement.split(";")[0].strip() for requirement in requires if 'extra == "aot"' in requirement]
+    if not wanted:
+        raise RuntimeError("clover-jax's metadata lists no 'aot' extra; reinstall it (pip install -e .)")
     jaxlib_version = importlib.metadata.version("jaxlib")
-    tpu = [requirement.split(";")[0].strip() for requirement in importlib.metadata.requires("jax") or []
-           if requirement.startswith("libtpu") and 'extra == "tpu"' in requirement]
-    if not tpu:
-        raise RuntimeError(f"jax {importlib.metadata.version('jax')} names no libtpu for its 'tpu' extra")
-    # ptxas only (Triton's Pallas kernels compile through it); the CUDA plugin asks for >= 12.6.85.
-    return tpu + [f"jax-cuda12-plugin=={jaxlib_version}", f"jax-cuda12-pjrt=={jaxlib_version}",
-                  "nvidia-cuda-nvcc-cu12>=12.6.85"]
+    for requirement in wanted:
+        if requirement.startswith("jax-cuda12-plugin==") and requirement.split("==")[1] != jaxlib_version:
+            raise RuntimeError(f"the aot extra pins {requirement}, but jaxlib {jaxlib_version} is installed: "
+                               "install the jax version clover-jax pins, or update the extra")
+    return wanted
 
 
 def installed(directory: Path | None = None) -> dict | None:
@@ -80,6 +84,10 @@ def subprocess_environment(base: dict | None = None) -> dict:
             [str(directory)] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p])
     environment["JAX_PLATFORMS"] = "cpu"  # compile-only devices come from topologies, not from backends
     environment["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    # libtpu takes a machine-wide lock file (/tmp/libtpu_lockfile) for the TPU it expects to drive;
+    # compile-only processes drive none, and two of them (parallel tests, a plan beside a benchmark)
+    # would otherwise refuse each other.
+    environment["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     environment.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return environment
 
