@@ -32,14 +32,6 @@ from benchmarks.common import check, emit, machine, setup_environment  # noqa: E
 
 setup_environment()
 
-CLOVER_35B = dict(
-    model_type="clover_moe", vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-    num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-    linear_num_value_heads=32, linear_conv_kernel_dim=4, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, full_attention_interval=4,
-    mask_token_id=248319, eos_token_id=[248046], max_position_embeddings=131072, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-)
 # Formats the targets name (the rest take the arithmetic's recommendation under `checked`).
 NAMED = {"v6e-1": ["int4 experts (g128)"], "v5e-8": ["bfloat16", "int8 experts", "int4 experts (g128)"],
          "v6e-8": ["bfloat16"], "H200": ["bfloat16", "int4 experts (g128)"]}
@@ -64,11 +56,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import clover_jax
-    from clover_jax.core.config import CloverConfig
+    from clover_jax.core.config import CLOVER_35B_A3B, CloverConfig
     from clover_jax.parallel.planner import HEADROOM, estimate
     from clover_jax.parallel.targets import TARGETS
 
-    config = CloverConfig.from_dict(CLOVER_35B)
+    config = CloverConfig.from_dict(CLOVER_35B_A3B)
     targets = ["v6e-1"] if args.quick else (args.targets or list(TARGETS))
     rows, checks, plans = [], [], {}
     for name in targets:

@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from clover_jax.core.config import CloverConfig
+from clover_jax.core.config import CLOVER_35B_A3B, CloverConfig
 from clover_jax.parallel.targets import TARGETS, target
-from tests.decoding.export_decode_run import REAL_LAYERS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # Two layer groups of (GDN, attention) with the kernels' real tile sizes (heads of 128, hidden a
@@ -87,7 +86,7 @@ def test_plan_arithmetic_shards_what_is_not_an_expert_on_an_expert_mesh():
     import clover_jax
     from clover_jax.parallel.planner import inference_rules
 
-    config = CloverConfig.from_dict(dict(REAL_LAYERS, num_hidden_layers=40))  # Clover-35B-A3B
+    config = CloverConfig.from_dict(CLOVER_35B_A3B)
     eight = clover_jax.plan(config, "v5e-8", context_length=8192)
     one = clover_jax.plan(config, "v5e-1", context_length=8192)
     bf16 = eight.options[0]
@@ -171,7 +170,7 @@ def test_plan_compiles_only_formats_whose_weights_fit_and_follows_the_compiler(m
     from clover_jax.api import plan as plan_module
     from clover_jax.api.aot import ProgramMemory
 
-    config = CloverConfig.from_dict(dict(REAL_LAYERS, num_hidden_layers=40))
+    config = CloverConfig.from_dict(CLOVER_35B_A3B)
     jobs = []
 
     def compiler(asked, timeout=None):
