@@ -104,15 +104,6 @@ class CloverModel:
     def params(self, params: Params) -> None:
         self.run_params = unstack_groups(params) if self.kernels.layer_loop == "unrolled" else stack_groups(params)
 
-    @property
-    def plan(self) -> MeshSharding | None:
-        """Deprecated name of `mesh_sharding` ("plan" now means only `clover_jax.plan`)."""
-        import warnings
-
-        warnings.warn("CloverModel.plan is now CloverModel.mesh_sharding; the old name will be removed in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        return self.mesh_sharding
-
     @classmethod
     def from_pretrained(
         cls,

@@ -35,8 +35,6 @@ PLATFORMS = ("cpu", "gpu", "tpu")  # as `pallas_kernels.platforms.PLATFORMS`
 GPU_LOWERINGS = ("cuda", "rocm")
 ATTENTIONS = ("online_softmax", "dot_product_attention")
 KEY_BLOCK = 1024  # keys reduced at a time by the online softmax (the memory estimate counts its scores)
-# Earlier names of the attention choices, still accepted by `KernelChoice`.
-_ATTENTION_ALIASES = {"online": "online_softmax", "fused": "dot_product_attention"}
 
 
 def platform_name(platform: str) -> str:
@@ -62,11 +60,8 @@ class KernelChoice:
     gdn_chunk: int | None = None
 
     def __post_init__(self):
-        # one spelling per choice, so equal choices compare (and hash, as jit keys) equal
-        attention = _ATTENTION_ALIASES.get(self.attention, self.attention)
-        if attention not in ATTENTIONS:
+        if self.attention not in ATTENTIONS:
             raise ValueError(f"KernelChoice.attention={self.attention!r} is not one of {ATTENTIONS}")
-        object.__setattr__(self, "attention", attention)
         object.__setattr__(self, "platform", platform_name(self.platform))
 
     def gdn_chunk_for(self, causal_rows: int) -> int:

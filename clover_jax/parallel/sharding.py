@@ -198,12 +198,3 @@ def constrain_batch(array: Any, mesh_sharding: MeshSharding | None) -> Any:
         return array
     return jax.lax.with_sharding_constraint(array, mesh_sharding.batch_sharding(array.shape[0], array.ndim))
 
-
-def __getattr__(name: str):
-    if name == "MeshPlan":  # its name before "plan" came to mean only `clover_jax.plan`
-        import warnings
-
-        warnings.warn("clover_jax.parallel.sharding.MeshPlan is now MeshSharding; the old name will be removed in the "
-                      "next release", DeprecationWarning, stacklevel=2)
-        return MeshSharding
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

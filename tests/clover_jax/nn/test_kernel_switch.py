@@ -16,11 +16,11 @@ from tests.conftest import MASK_ID, token_ids
 
 def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
     # CPU runs the layer groups unrolled over separate parameter arrays; accelerators scan them.
-    assert choose_kernels("auto", "cpu") == KernelChoice("online", "xla", "xla", "cpu", "unrolled")
-    assert choose_kernels("auto", "cuda") == KernelChoice("fused", "pallas", "pallas", "gpu", "scan")
-    assert choose_kernels("auto", "tpu") == KernelChoice("online", "pallas", "pallas", "tpu", "scan")
-    assert choose_kernels("xla", "tpu") == KernelChoice("online", "xla", "xla", "tpu", "scan")
-    assert choose_kernels("pallas", "cpu") == KernelChoice("fused", "pallas", "pallas", "cpu", "unrolled")
+    assert choose_kernels("auto", "cpu") == KernelChoice("online_softmax", "xla", "xla", "cpu", "unrolled")
+    assert choose_kernels("auto", "cuda") == KernelChoice("dot_product_attention", "pallas", "pallas", "gpu", "scan")
+    assert choose_kernels("auto", "tpu") == KernelChoice("online_softmax", "pallas", "pallas", "tpu", "scan")
+    assert choose_kernels("xla", "tpu") == KernelChoice("online_softmax", "xla", "xla", "tpu", "scan")
+    assert choose_kernels("pallas", "cpu") == KernelChoice("dot_product_attention", "pallas", "pallas", "cpu", "unrolled")
     assert choose_kernels("pallas", "cpu").interpret
     with pytest.raises(ValueError, match="impl='triton' is not one of"):
         choose_kernels("triton")
@@ -44,11 +44,9 @@ def test_the_attention_choice_is_named_for_what_it_selects():
     # impl="pallas" forces the Pallas kernels; attention has none and takes jax.nn.dot_product_attention
     assert choose_kernels("pallas", "tpu").attention == "dot_product_attention"
     assert choose_kernels("auto", "tpu").attention == "online_softmax"
-    # the earlier names are still accepted, and mean the same choice (equal and equally hashed: jit keys)
-    assert KernelChoice("fused") == KernelChoice("dot_product_attention")
-    assert hash(KernelChoice("online")) == hash(KernelChoice("online_softmax"))
-    with pytest.raises(ValueError, match="KernelChoice.attention='splash' is not one of"):
-        KernelChoice("splash")
+    for earlier in ("splash", "online", "fused"):  # the earlier names went with version 0.1.0
+        with pytest.raises(ValueError, match=f"KernelChoice.attention='{earlier}' is not one of"):
+            KernelChoice(earlier)
 
 
 def test_grouped_matmul_experts_equal_the_tiled_scan_including_dropped_pairs():
