@@ -24,7 +24,7 @@ from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutpu
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.kernels import choose_kernels
-from clover_jax.nn.model import CloverTransformer, TransformerPasses, stack_groups, unstack_groups
+from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for, stack_groups, unstack_groups
 from clover_jax.core.quantization import QuantSpec
 from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 from clover_jax.core.state import ModelState, empty_state
@@ -90,7 +90,8 @@ class CloverModel:
         self.dtype = jnp.dtype(dtype)
         self.mesh_sharding = mesh_sharding  # mesh and sharding rules; None: one device
         self.kernels = choose_kernels(impl)
-        self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding)
+        self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding,
+                                        layer_loop_for(self.kernels.platform))
         self.passes: ModelPasses = TransformerPasses(self.module)  # made once: compiled calls key on it
         self.fitted_requests: set[tuple[int, int, int]] = set()  # (batch, capacity, block) that fit
         self.params = params
@@ -102,7 +103,7 @@ class CloverModel:
 
     @params.setter
     def params(self, params: Params) -> None:
-        self.run_params = unstack_groups(params) if self.kernels.layer_loop == "unrolled" else stack_groups(params)
+        self.run_params = unstack_groups(params) if self.module.layer_loop == "unrolled" else stack_groups(params)
 
     @classmethod
     def from_pretrained(

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
-from clover_jax.core.kernels import KernelChoice
+from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
@@ -85,6 +85,18 @@ def block_mode_attention(
     weights = jax.nn.softmax(logits, axis=-1)
     return (jnp.einsum("bhi,bihv->bihv", weights[..., 0], memory)
             + jnp.einsum("bhij,bjhv->bihv", weights[..., 1:], value, precision=jax.lax.Precision.HIGHEST))
+
+
+def gated_delta_rule(rule: GDNRule):
+    """The function a resolved rule (`KernelChoice.gdn_rule`) names: (q, k, v, decay, beta,
+    initial state) -> (outputs, final state), with the rule's chunk size and interpret flag."""
+    if rule.kernel == "recurrent":  # one row, an autoregressive step: no chunk padding
+        return recurrent_gated_delta_rule
+    if rule.kernel == "pallas":
+        from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
+
+        return functools.partial(gdn_chunk, chunk_size=rule.chunk_size, interpret=rule.interpret)
+    return functools.partial(chunked_gated_delta_rule, chunk_size=rule.chunk_size)
 
 
 def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value_heads: int):
@@ -161,17 +173,9 @@ class GatedDeltaNet(nn.Module):
             beta = jax.nn.sigmoid(beta_logit[:, :causal])
             decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
                 decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
-            if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
-                rule = recurrent_gated_delta_rule
-            elif self.kernels.gdn == "pallas":
-                from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
-
-                chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
-                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
-                if self.mesh_sharding is not None:
-                    rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
-            else:
-                rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
+            rule = gated_delta_rule(self.kernels.gdn_rule(causal))
+            if self.kernels.gdn_rule(causal).kernel == "pallas" and self.mesh_sharding is not None:
+                rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             if record is not None:

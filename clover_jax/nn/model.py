@@ -3,7 +3,8 @@
 Layers come in groups that repeat the config's layer pattern — for Qwen3.6 (3 GDN + 1 full
 attention) × 10. Every parameter under `groups` has a leading `[num_groups]` axis in the
 canonical ("stacked") layout, and layer `i` of the checkpoint is slot `i % len(pattern)` of
-group `i // len(pattern)`. Two loops run the groups (`KernelChoice.layer_loop`):
+group `i // len(pattern)`. Two loops run the groups (`CloverTransformer.layer_loop`, by platform
+`layer_loop_for`):
 
 * "scan" (GPU, TPU): `nn.scan` over the stacked parameters, so compile time does not grow with
   depth; accelerators read each group's slice of a stacked weight in place.
@@ -46,6 +47,13 @@ from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrai
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
 
 LAYER_LOOPS = ("scan", "unrolled")
+
+
+def layer_loop_for(platform: str) -> str:
+    """How the layer groups run on `platform`: unrolled over separate arrays on CPU (XLA:CPU copies
+    every slice of a stacked weight before a matmul), scanned on accelerators (which read a
+    group's slice in place, and whose compile time then does not grow with depth)."""
+    return "unrolled" if platform == "cpu" else "scan"
 
 
 class DecoderLayer(nn.Module):
@@ -103,12 +111,14 @@ class LayerGroup(nn.Module):
 
 class CloverTransformer(nn.Module):
     """kernels: which implementation runs attention, the GDN rule and the routed experts
-    (`clover_jax.core.kernels.choose_kernels`); mesh_sharding: the mesh and sharding rules, or None on one device."""
+    (`clover_jax.core.kernels.choose_kernels`); mesh_sharding: the mesh and sharding rules, or None on
+    one device; layer_loop: "scan" or "unrolled" (`layer_loop_for`)."""
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
+    layer_loop: str = "scan"
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
@@ -127,7 +137,9 @@ class CloverTransformer(nn.Module):
                          embedding_init=default_init, name="embed_tokens")
         hidden = constrain_batch(embed(input_ids), self.mesh_sharding)
         group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.mesh_sharding)
-        if self.kernels.layer_loop == "unrolled":
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop={self.layer_loop!r} is not one of {LAYER_LOOPS}")
+        if self.layer_loop == "unrolled":
             # params["groups"]: one tree per group, each a separate set of arrays (see the module docstring).
             carry, distinct = (hidden, state.layers), []
             groups = self.get_variable("params", "groups")
@@ -178,7 +190,7 @@ class TransformerPasses(ModelPasses):
         return rollback.recording(state, self.module.config, rows)
 
     def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
-        return rollback.rolled_back(state, keep, rows)
+        return rollback.rolled_back(state, keep, rows, self.module.kernels)
 
 
 def unstack_groups(params: Params) -> Params:

@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
-from clover_jax.core.kernels import KernelChoice
+from clover_jax.core.kernels import ExpertRule, KernelChoice
+from clover_jax.core.quantization import QuantizedWeight
 from clover_jax.nn.layers import Linear, default_init, weight_param
 from clover_jax.parallel.sharding import MeshSharding
 
@@ -37,14 +38,15 @@ def route_top_k(probabilities: jax.Array, top_k: int) -> tuple[jax.Array, jax.Ar
     return expert_ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
-    """The routed experts with the implementation `kernels.moe` names (arguments of `routed_expert_mlp`)."""
-    if kernels.moe == "pallas":
-        return grouped_expert_mlp(*args, kernels.platform)
+def expert_mlp(rule: ExpertRule, *args) -> jax.Array:
+    """The routed experts as the resolved rule (`KernelChoice.expert_rule`) says (arguments of
+    `routed_expert_mlp`)."""
+    if rule.kernel == "grouped":
+        return grouped_expert_mlp(*args, platform=rule.platform, kernel=rule.grouped_kernel, interpret=rule.interpret)
     return routed_expert_mlp(*args)
 
 
-def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
+def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
                         expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """`expert_mlp` inside `shard_map` on the mesh_sharding's mesh (same arguments): each device runs the
     pairs routed to its own experts (the experts split over the expert axis, when it has more
@@ -55,11 +57,11 @@ def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, toke
 
     def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
         if expert_axis is None:
-            return expert_mlp(kernels, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+            return expert_mlp(rule, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
         num_local = gate_up_proj.shape[0]
         local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
         local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
-        partial = expert_mlp(kernels, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
+        partial = expert_mlp(rule, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
         return jax.lax.psum(partial, expert_axis)
 
     # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
@@ -116,11 +118,13 @@ class SparseMoE(nn.Module):
                                  (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
-        # On a mesh, a Pallas kernel must run inside shard_map (XLA cannot partition a custom call).
-        if self.mesh_sharding is not None and (self.mesh_sharding.axis_size(self.mesh_sharding.rules.experts) > 1 or self.kernels.moe == "pallas"):
-            routed = expert_parallel_mlp(self.kernels, self.mesh_sharding, tokens, *pairs, gate_up_proj, down_proj)
+        mesh = self.mesh_sharding
+        rule = self.kernels.expert_rule(isinstance(gate_up_proj, QuantizedWeight),
+                                        1 if mesh is None else mesh.axis_size(mesh.rules.experts), mesh is not None)
+        if rule.per_device:
+            routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)
         else:
-            routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
+            routed = expert_mlp(rule, tokens, *pairs, gate_up_proj, down_proj)
 
         shared = SharedExpert(config.shared_expert_intermediate_size, self.dtype, name="shared_expert")(tokens)
         shared_gate = Linear(1, self.dtype, name="shared_expert_gate")(tokens)
