@@ -156,7 +156,7 @@ def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec
         masks = jnp.full((batch, size), ids.mask, jnp.int32)
         # the pending token's row (appended) and its logits, then the masked block's
         draft = passes.commit_and_denoise(params, s.pending[:, None], masks, s.model, coreset=spec.coreset,
-                                          coreset_top_p=coreset_top_p, committed_logits=True)
+                                          coreset_top_p=coreset_top_p, committed_logits=True, distinct_experts=True)
         thinking = thinking_open(s.counts, prompt_thinking, ids)
         drafts = greedy_processed(draft.logits[:, 1:], s.counts, s.lengths[:, None] + rows, thinking, controls, ids)
         verify = passes.recording_causal(params, drafts, draft.state)

@@ -51,7 +51,7 @@ def run_pass(passes: ModelPasses, params: Params, input_ids: jax.Array, state: M
 def run_denoise(passes: ModelPasses, params: Params, block_ids: jax.Array, state: ModelState, coreset: bool,
                 coreset_top_p: jax.Array) -> BlockLogits:
     """A denoising forward that returns only its logits: the state is read, never copied out."""
-    out = passes.denoise(params, block_ids, state, coreset=coreset, coreset_top_p=coreset_top_p)
+    out = passes.denoise(params, block_ids, state, coreset=coreset, coreset_top_p=coreset_top_p, distinct_experts=True)
     return BlockLogits(out.logits, out.distinct_experts)
 
 
@@ -60,7 +60,7 @@ def run_commit_and_denoise(passes: ModelPasses, params: Params, commit_ids: jax.
                            state: ModelState, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
     """A commit fused with the next block's denoising forward: `ModelPasses.commit_and_denoise`, compiled."""
     return passes.commit_and_denoise(params, commit_ids, block_ids, state, coreset=coreset,
-                                     coreset_top_p=coreset_top_p)
+                                     coreset_top_p=coreset_top_p, distinct_experts=True)
 
 
 @persistent_jit(static_argnames=("passes", "chunk_size", "logits"))

@@ -23,6 +23,8 @@ restores the state at any of them (self-speculative decoding).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import functools
 import math
 
@@ -35,8 +37,9 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from clover_jax.core.kernels import GDNRule, KernelChoice
+from clover_jax.core.passes import PassMode
 from clover_jax.parallel.sharding import MeshSharding
-from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize
+from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 
 
@@ -117,41 +120,38 @@ def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value
 
 
 class GatedDeltaNet(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ("linear_attn",))  # its rows in the parameter table
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group,
-                 rows: Rows) -> tuple[jax.Array, GDNState | RecordingGDN]:
+    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group, rows: Rows,
+                 mode: PassMode) -> tuple[jax.Array, GDNState | RecordingGDN]:
         """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], `stacked` with this layer's state
-        advanced by the causal rows).
+        advanced by the causal rows); mode: which leading rows are causal, the rest a block.
 
         stacked: this slot's GDN state for every group (leading [num_groups] axis); group: ours.
         A `RecordingGDN` comes back with our group's record filled from the causal rows.
         """
         config = self.config
         heads = config.linear_num_value_heads
-        mixed = Linear(config.conv_dim, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
-        gate = Linear(config.linear_value_dim, self.dtype, name="in_proj_z")(x)  # [b, t, value_dim]
-        beta_logit = Linear(heads, self.dtype, name="in_proj_b")(x)
-        decay_logit = Linear(heads, self.dtype, name="in_proj_a")(x)
+        mixed = Linear(config, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
+        gate = Linear(config, self.dtype, name="in_proj_z")(x)          # [b, t, value_dim]
+        beta_logit = Linear(config, self.dtype, name="in_proj_b")(x)    # [b, t, value_heads]
+        decay_logit = Linear(config, self.dtype, name="in_proj_a")(x)   # [b, t, value_heads]
         kernel = config.linear_conv_kernel_dim
-        conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1), (config.conv_dim, kernel), self.dtype)
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (heads,), self.dtype)
-        a_log = self.param("A_log", nn.initializers.zeros, (heads,), self.dtype)
-        # Clover block-mode parameters, initialised to docs/design.md §2 defaults.
-        right_weight = self.param("conv1d_right_weight", nn.initializers.zeros, (config.conv_dim, kernel), self.dtype)
-        block_logit_scale = self.param("block_logit_scale", nn.initializers.constant(
-            math.log(math.sqrt(config.linear_key_head_dim))), (heads,), self.dtype)
-        memory_logit_bias = self.param("memory_logit_bias", nn.initializers.zeros, (heads,), self.dtype)
-        block_size_calibration = self.param("block_size_calibration", nn.initializers.zeros, (heads,), self.dtype)
+        conv_weight, dt_bias, a_log = (table_param(self, config, name) for name in ("conv1d_weight", "dt_bias", "A_log"))
+        # Clover block-mode parameters (docs/design.md §2; initialised to their defaults)
+        right_weight, block_logit_scale, memory_logit_bias, block_size_calibration = (
+            table_param(self, config, name) for name in ("conv1d_right_weight", "block_logit_scale",
+                                                         "memory_logit_bias", "block_size_calibration"))
 
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
-        causal, cores = self.num_causal, []
+        causal, cores = mode.num_causal, []
         record = None
         if isinstance(stacked, RecordingGDN):
             stacked, record = stacked
@@ -197,6 +197,6 @@ class GatedDeltaNet(nn.Module):
 
         core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
-        normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
-        out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
+        normed = GatedRMSNorm(config, self.dtype, name="norm")(core.astype(self.dtype), gate)
+        out = Linear(config, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
         return out, stacked if record is None else RecordingGDN(stacked, record)

@@ -18,6 +18,8 @@ values where an all-to-all would move `rows × top_k × hidden` twice.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -27,8 +29,9 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from clover_jax.core.kernels import ExpertRule, KernelChoice
+from clover_jax.core.passes import PassMode
 from clover_jax.core.quantization import QuantizedWeight
-from clover_jax.nn.layers import Linear, default_init, weight_param
+from clover_jax.nn.layers import Linear, table_param
 from clover_jax.parallel.sharding import MeshSharding
 
 
@@ -71,51 +74,52 @@ def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: j
 
 
 class SharedExpert(nn.Module):
-    intermediate_size: int
+    config: CloverConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = x.shape[-1]
-        gate = Linear(self.intermediate_size, self.dtype, name="gate_proj")(x)
-        up = Linear(self.intermediate_size, self.dtype, name="up_proj")(x)
-        return Linear(hidden, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+        gate = Linear(self.config, self.dtype, name="gate_proj")(x)
+        up = Linear(self.config, self.dtype, name="up_proj")(x)
+        return Linear(self.config, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ("mlp",))  # its rows in the parameter table
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0   # leading rows routed plainly; the rest are a block
-    coreset: bool = False  # route the block rows within their coreset
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, coreset_top_p: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], distinct experts of the block rows, int32 [batch])."""
+    def __call__(self, x: jax.Array, mode: PassMode, coreset_top_p: jax.Array | float = 1.0) -> jax.Array:
+        """x: [batch, tokens, hidden] -> [batch, tokens, hidden]. mode: the leading causal rows route
+        plainly, the block rows within their coreset when `mode.coreset`. When the "intermediates"
+        collection is asked for, the distinct experts of the block rows (int32 [batch]) are sown
+        there as "distinct_experts"."""
         config = self.config
         batch, num_tokens, hidden = x.shape
-        top_k, causal = config.num_experts_per_tok, self.num_causal
+        top_k, causal = config.num_experts_per_tok, mode.num_causal
         x = x.astype(self.dtype)
 
-        router = self.param("gate", default_init, (config.num_experts, hidden), self.dtype)
+        router = table_param(self, config, "gate")
         router_logits = jnp.einsum("bth,eh->bte", x, router, preferred_element_type=jnp.float32)
         probabilities = jax.nn.softmax(router_logits, axis=-1)
         expert_ids, expert_weights = route_top_k(probabilities, top_k)
-        distinct = jnp.zeros((batch,), jnp.int32)
         if num_tokens > causal:
             block_probabilities = probabilities[:, causal:]
-            if self.coreset:
+            if mode.coreset:
                 allowed = coreset_mask(block_probabilities, top_k, coreset_top_p)
                 block_ids, block_weights = route_within(block_probabilities, allowed, top_k)
                 expert_ids = expert_ids.at[:, causal:].set(block_ids)
                 expert_weights = expert_weights.at[:, causal:].set(block_weights)
-            distinct = distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts)
+            if self.is_mutable_collection("intermediates"):
+                self.sow("intermediates", "distinct_experts",
+                         distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts))
 
-        gate_up_proj = weight_param(self, "experts_gate_up_proj",
-                                    (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
-        down_proj = weight_param(self, "experts_down_proj",
-                                 (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
+        gate_up_proj = table_param(self, config, "experts_gate_up_proj")
+        down_proj = table_param(self, config, "experts_down_proj")
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
         mesh = self.mesh_sharding
@@ -126,7 +130,7 @@ class SparseMoE(nn.Module):
         else:
             routed = expert_mlp(rule, tokens, *pairs, gate_up_proj, down_proj)
 
-        shared = SharedExpert(config.shared_expert_intermediate_size, self.dtype, name="shared_expert")(tokens)
-        shared_gate = Linear(1, self.dtype, name="shared_expert_gate")(tokens)
+        shared = SharedExpert(config, self.dtype, name="shared_expert")(tokens)
+        shared_gate = Linear(config, self.dtype, name="shared_expert_gate")(tokens)
         out = routed + jax.nn.sigmoid(shared_gate) * shared
-        return out.reshape(batch, num_tokens, hidden), distinct
+        return out.reshape(batch, num_tokens, hidden)
