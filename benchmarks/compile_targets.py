@@ -17,12 +17,16 @@ Targets (`checks`), by the compiler:
   * the arithmetic estimate within 15% of the compiler's bytes, every compiled target and format.
 
 Usage: `python benchmarks/compile_targets.py [--formats checked|all] [--targets v6e-1 H200 ...]
-[--context-length 32768]`.
+[--context-length 32768] [--resume-dir DIR]`. With `--resume-dir`, each target's rows are written to
+DIR/<target>.json as soon as it is compiled, and a target already there is read back instead of
+compiled again (the whole run takes over an hour on 2 cores; an interrupted one picks up where it
+stopped).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -53,6 +57,7 @@ def main() -> None:
     parser.add_argument("--targets", nargs="*", default=None)
     parser.add_argument("--context-length", type=int, default=32768)
     parser.add_argument("--quick", action="store_true", help="one target (v6e-1), its int4 loops only")
+    parser.add_argument("--resume-dir", default=None, help="keep each target's rows here; reuse those found")
     args = parser.parse_args()
 
     import clover_jax
@@ -62,20 +67,31 @@ def main() -> None:
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
     targets = ["v6e-1"] if args.quick else (args.targets or list(TARGETS))
-    rows, checks, plans = [], [], {}
+    rows, checks, recommendations = [], [], {}
     for name in targets:
+        saved = os.path.join(args.resume_dir, f"{name}.json") if args.resume_dir else None
+        if saved and os.path.exists(saved):
+            with open(saved) as f:
+                done = json.load(f)
+            if done["context_length"] == args.context_length and done["formats"] == args.formats:
+                rows += done["rows"]
+                recommendations[name] = done["recommendation"]
+                print(f"compile_targets: {name}: read back from {saved}", file=sys.stderr)
+                continue
+        target_rows = []
         wanted = chosen_formats(name, estimate(config, name, args.context_length), args.formats)
         if args.quick:
             wanted = wanted[:1]
         started = time.perf_counter()
-        planned = plans[name] = clover_jax.plan(config, name, args.context_length, compile=True, formats=wanted)
+        planned = clover_jax.plan(config, name, args.context_length, compile=True, formats=wanted)
+        recommendations[name] = planned.recommendation.weights if planned.recommendation else None
         print(f"compile_targets: {name}: {len(wanted)} formats in {time.perf_counter() - started:.0f} s",
               file=sys.stderr)
         for option in planned.options:
             if option.weights not in wanted:
                 continue
             for mode, memory in option.compiled.items():
-                rows.append({
+                target_rows.append({
                     "target": name, "weights": option.weights, "mesh": option.mesh, "loop": mode,
                     "compile_s": memory.compile_seconds, "error": memory.error,
                     "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
@@ -86,17 +102,23 @@ def main() -> None:
                     "estimate_error": (option.total_bytes / memory.total_bytes - 1) if not memory.error else None,
                     "fits": option.fits,
                 })
+        rows += target_rows
+        if saved:
+            os.makedirs(args.resume_dir, exist_ok=True)
+            with open(saved, "w") as f:
+                json.dump({"context_length": args.context_length, "formats": args.formats,
+                           "rows": target_rows, "recommendation": recommendations[name]}, f)
     by = lambda target, weights: [r for r in rows if r["target"] == target and r["weights"] == weights]
 
     def worst_fraction(target, weights):
         found = by(target, weights)
         return None if not found or any(r["error"] for r in found) else max(r["fraction_of_device"] for r in found)
 
-    if "v6e-1" in plans:
+    if "v6e-1" in recommendations:
         checks.append(check("v6e-1 int4: arguments + temporaries / chip (every loop, by the compiler)",
                             worst_fraction("v6e-1", "int4 experts (g128)"), HEADROOM, at_least=False))
     for target in ("v5e-8", "v6e-8", "H200"):
-        if target in plans:
+        if target in recommendations:
             checks.append(check(f"{target} bf16: bytes / usable device memory (every loop, by the compiler)",
                                 worst_fraction(target, "bfloat16"), HEADROOM, at_least=False))
     for target in ("v5e-8", "H200"):
@@ -115,8 +137,7 @@ def main() -> None:
     refused = [f"{r['target']} {r['weights']} {r['loop']}: {r['error']}" for r in rows if r["error"]]
     emit({"machine": machine(), "model": "Clover-35B-A3B shapes (40 layers)", "context_length": args.context_length,
           "batch": 1, "formats": args.formats, "rows": rows, "refused": refused,
-          "recommendations": {name: (plan.recommendation.weights if plan.recommendation else None)
-                              for name, plan in plans.items()},
+          "recommendations": recommendations,
           "checks": checks})
 
 
