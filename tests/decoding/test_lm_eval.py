@@ -5,6 +5,10 @@ refused; bad model_args refused before loading."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -47,11 +51,11 @@ def _harness(tmp_path_factory):
         "doc_to_target: 0\nmetric_list:\n  - metric: acc\n")
     from lm_eval.tasks import TaskManager
 
-    yield lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows
+    yield lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows, root
 
 
 def test_simple_evaluate_answers_generate_until_with_generate(harness):
-    lm_eval, tasks, rows = harness
+    lm_eval, tasks, rows, _ = harness
     from clover_jax import CloverModel
     from clover_jax.api.tokenization import Tokenizer
     from decoding import generate
@@ -80,7 +84,7 @@ def test_simple_evaluate_answers_generate_until_with_generate(harness):
 
 
 def test_loglikelihood_requests_are_refused_with_the_reason(harness):
-    lm_eval, tasks, _ = harness
+    lm_eval, tasks, _, _ = harness
     from decoding.lm_eval_model import CloverLM
 
     model = CloverLM(pretrained=str(BUNDLED_MODEL))
@@ -97,3 +101,23 @@ def test_unknown_model_args_are_refused_before_the_checkpoint_is_read(harness):
         CloverLM.create_from_arg_string("pretrained=/nonexistent,bogus=1")
     with pytest.raises(ValueError, match="needs model_args='pretrained=PATH'"):
         CloverLM.create_from_arg_string("block_size=8")
+
+
+def test_the_readme_snippet_evaluates_by_model_name_in_a_fresh_interpreter(harness):
+    """README's Python lm-eval example as written, in a new process (so that nothing this test
+    session imported registers the model for it), with one change: the task is the local one (no
+    network), passed with its task manager."""
+    from tests.test_readme import python_block_after
+
+    _, _, rows, root = harness
+    code = python_block_after("in Python the import comes first")
+    assert "import decoding.lm_eval_model" in code and 'model="clover-jax"' in code
+    local = (f'tasks=["clover_sort"], task_manager=__import__("lm_eval.tasks").tasks.TaskManager('
+             f'include_path={str(root)!r}, include_defaults=False)')
+    code, replaced = re.subn(r'tasks=\["gsm8k"\]', local, code)
+    assert replaced == 1
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
+                            cwd=BUNDLED_MODEL.parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'clover_sort'" in result.stdout and "exact_match,none" in result.stdout
