@@ -39,6 +39,8 @@ class ProgramMemory:
     alias_bytes: int = 0
     error: str | None = None
     compile_seconds: float = 0.0
+    kernel_calls: int = 0  # Pallas kernels (Mosaic on TPU, Triton on GPU) in the compiled program
+
 
     @property
     def total_bytes(self) -> int:
@@ -119,11 +121,21 @@ def compile_job(job: CompileJob) -> dict[str, ProgramMemory]:
             analysis = compiled.memory_analysis()
             results[mode] = ProgramMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes,
                                           analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
-                                          compile_seconds=time.perf_counter() - started)
+                                          compile_seconds=time.perf_counter() - started,
+                                          kernel_calls=kernel_calls(compiled.as_text()))
         except Exception as error:  # the compiler's refusal is the result (RESOURCE_EXHAUSTED, Mosaic errors)
             results[mode] = ProgramMemory(error=compiler_error(error), compile_seconds=time.perf_counter() - started)
         logger.info("%s %s on %s: %s", mode, job.quantize or "bfloat16", job.target, results[mode])
     return results
+
+
+# The custom-call targets a Pallas kernel compiles to: Mosaic on TPU, Triton on GPU.
+KERNEL_CALL_TARGETS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__gpu$xla.gpu.triton"')
+
+
+def kernel_calls(hlo_text: str) -> int:
+    """How many Pallas kernel calls a compiled program's HLO text holds (each call site once)."""
+    return sum(hlo_text.count(marker) for marker in KERNEL_CALL_TARGETS)
 
 
 def deviceless_kernels(platform: str):

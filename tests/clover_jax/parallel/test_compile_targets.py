@@ -131,6 +131,8 @@ def test_plan_compiles_the_three_loops_for_the_target_and_the_compiler_decides(c
         assert set(option.compiled) == {"diffusion", "autoregressive", "self_speculative"}
         for mode, memory in option.compiled.items():
             assert memory.error is None, (option.weights, mode, memory.error)
+            # the Pallas kernels (GDN; grouped expert matmuls) are in the compiled program, not only lowered
+            assert memory.kernel_calls >= 2, (option.weights, mode, memory.kernel_calls)
             # the weights are arguments: the compiler holds at least the arithmetic's exact bytes per device
             assert memory.argument_bytes >= option.weight_bytes > 0
             assert memory.total_bytes == (memory.argument_bytes + memory.temp_bytes + memory.output_bytes
