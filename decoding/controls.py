@@ -39,6 +39,19 @@ class TokenIds(NamedTuple):
     think_end: jax.Array
 
 
+def per_sequence_axes(tree):
+    """vmap axes of a pytree whose leaves are one value for the batch (None) or one per sequence (0),
+    such as `Controls` given once for a `generate` call or per request in the serving engine."""
+    return jax.tree_util.tree_map(lambda leaf: 0 if jnp.ndim(leaf) else None, tree)
+
+
+def thinking_open(counts: jax.Array, prompt_thinking: jax.Array, ids: TokenIds) -> jax.Array:
+    """bool [b]: the prompt or the response opened <think> and the response has not closed it.
+    counts: int32 [b, vocab], the response so far; prompt_thinking: bool [b]."""
+    count = lambda token: jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)
+    return (prompt_thinking | (count(ids.think_start) > 0)) & (count(ids.think_end) == 0)
+
+
 def ramp(t: jax.Array, start: jax.Array, window: jax.Array) -> jax.Array:
     """clip((t − start) / window, 0, 1); a window of 0 is a step at `start`."""
     t = t.astype(jnp.float32)

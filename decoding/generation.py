@@ -107,8 +107,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     anything is compiled; an exception raised by a listener reaches the caller as it is.
     """
     compilation_cache.enable()
-    config = _resolve_config(model, generation_config, overrides)
-    prompts = _check_prompts(model, prompts, config, mode)
+    config = resolve_config(model, generation_config, overrides)
+    prompts = check_prompts(model, prompts, config, mode)
     listening = on_block is not None or streamer is not None or progress or on_step is not None
     if (return_trajectory or return_history or listening) and mode == "autoregressive":
         raise ValueError("return_trajectory, return_history, on_block, streamer, on_step and progress are for "
@@ -124,8 +124,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
     keys = key if key is not None else _default_key()  # prompt i's key, fold_in(key, i), is made in the loop
-    controls, ids = _controls(config), _token_ids(model, config)
-    thinking = np.array([_prompt_thinking(p, config) for p in prompts])
+    controls, ids = controls_of(config), token_ids_of(model, config)
+    thinking = np.array([prompt_thinking(p, config) for p in prompts])
     started = time.perf_counter()
     if mode == "autoregressive":
         output = _generate_autoregressive(model, prompts, config, keys, controls, ids, thinking)
@@ -144,7 +144,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 
 # ---------------------------------------------------------------------- validation
-def _resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+def resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
     config = _model_defaults(model) if generation_config is None else _completed(model, generation_config)
     if overrides:
         config = config.replace(**overrides)
@@ -173,7 +173,7 @@ def _completed(model, config: GenerationConfig) -> GenerationConfig:
     return config.with_token_ids(model.config, getattr(model, "path", None))
 
 
-def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
+def check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
     vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
@@ -218,7 +218,7 @@ def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[
     return checked
 
 
-def _controls(config: GenerationConfig) -> Controls:
+def controls_of(config: GenerationConfig) -> Controls:
     # NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each.
     f = np.float32
     return Controls(f(config.repetition_penalty), f(config.frequency_penalty), f(config.presence_penalty),
@@ -228,14 +228,14 @@ def _controls(config: GenerationConfig) -> Controls:
                     np.int32(config.top_k), f(config.top_p), f(config.threshold))
 
 
-def _token_ids(model, config: GenerationConfig) -> TokenIds:
+def token_ids_of(model, config: GenerationConfig) -> TokenIds:
     as_id = lambda value: np.int32(-1 if value is None else value)
     eos = np.asarray(list(config.eos_token_id) or [-1], np.int32)
     return TokenIds(eos, as_id(config.mask_token_id), as_id(config.think_start_token_id),
                     as_id(config.think_end_token_id))
 
 
-def _prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
+def prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
     """Does the prompt end inside an unclosed <think>?"""
     if config.think_start_token_id is None or config.think_end_token_id is None:
         return False
@@ -260,7 +260,7 @@ def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, r
     chunk_blocks = max(1, model.chunk_size // size)
     prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
     spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
-                    config.do_sample, resolve(config.schedule), _coreset(model, config), return_history,
+                    config.do_sample, resolve(config.schedule), coreset_enabled(model, config), return_history,
                     model.chunk_size)
 
     prefix_length = prefix_bucket * size
@@ -349,7 +349,7 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
     return output
 
 
-def _coreset(model, config: GenerationConfig) -> bool:
+def coreset_enabled(model, config: GenerationConfig) -> bool:
     return model.config.moe_block_coreset_enabled if config.coreset is None else bool(config.coreset)
 
 
@@ -385,7 +385,7 @@ def _generate_self_speculative(model, prompts, config, controls, ids, thinking,
     lengths = np.array([len(p) for p in prompts])
     prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
     spec = SpeculativeSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), size,
-                           _coreset(model, config), return_trajectory, model.chunk_size)
+                           coreset_enabled(model, config), return_trajectory, model.chunk_size)
     model.check_memory(len(prompts), prompt_length + spec.max_new_tokens + size, size)
     prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
     for i, prompt in enumerate(prompts):

@@ -112,17 +112,19 @@ class CloverTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
-                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0,
+                 commit: jax.Array | None = None) -> PassOutput:
         """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
 
         num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
         are computed (a long prefill needs none: pass `tokens`); coreset: route block rows
-        within their coreset with `coreset_top_p`.
+        within their coreset with `coreset_top_p`; commit: None (every sequence appends its causal
+        rows) or bool [batch], which sequences do (`clover_jax.core.state.rows_for`).
         """
         config = self.config
         num_tokens = input_ids.shape[1]
         num_causal = num_tokens if num_causal is None else num_causal
-        rows = rows_for(state, num_tokens)
+        rows = rows_for(state, num_tokens, num_causal, commit)
         embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
                          embedding_init=default_init, name="embed_tokens")
         hidden = constrain_batch(embed(input_ids), self.mesh_sharding)
@@ -149,7 +151,8 @@ class CloverTransformer(nn.Module):
         else:
             head = self.param("lm_head", default_init, (config.vocab_size, config.hidden_size), self.dtype)
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
-        new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
+        appended = num_causal if rows.committed is None else rows.committed
+        new_state = ModelState(length=rows.length + appended, start=state.start, layers=layers)
         return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
 
 
@@ -166,9 +169,9 @@ class TransformerPasses(ModelPasses):
         return self.module.config
 
     def run(self, params: Params, input_ids: jax.Array, state: ModelState, *, num_causal: int, logits_from: int,
-            coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None) -> PassOutput:
         return self.module.apply({"params": params}, input_ids, state, num_causal=num_causal,
-                                 logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p)
+                                 logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p, commit=commit)
 
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:
         state = empty_state(self.module.config, batch, capacity, self.module.dtype, start)
