@@ -145,7 +145,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 # ---------------------------------------------------------------------- validation
 def resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
-    config = _model_defaults(model) if generation_config is None else _completed(model, generation_config)
+    config = model_defaults(model) if generation_config is None else _completed(model, generation_config)
     if overrides:
         config = config.replace(**overrides)
     if config.max_new_tokens is None:
@@ -156,7 +156,7 @@ def resolve_config(model, generation_config: GenerationConfig | None, overrides:
 _DEFAULTS: "weakref.WeakKeyDictionary[Any, tuple[Any, GenerationConfig]]" = weakref.WeakKeyDictionary()
 
 
-def _model_defaults(model) -> GenerationConfig:
+def model_defaults(model) -> GenerationConfig:
     """The checkpoint's generation config, read once per model (and again if `model.path` changes)."""
     path = getattr(model, "path", None)
     cached = _DEFAULTS.get(model)
