@@ -147,17 +147,22 @@ class Engine:
     def submit(self, request: EngineRequest, listener: Listener) -> Handle:
         """Check `request` (ValueError before any compute) and queue it; `listener(EngineEvent)` is
         called on the engine's thread. Raises QueueFull when `max_queue` requests already wait."""
-        prepared = self.check(request)
+        return self.submit_all([request], [listener])[0]
+
+    def submit_all(self, requests: Sequence[EngineRequest], listeners: Sequence[Listener]) -> list[Handle]:
+        """Check every request, then queue them together (the engine sees them at one step
+        boundary); all or none are queued."""
+        prepared = [self.check(request) for request in requests]
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is closed")
-            if self._waiting + len(self._held) >= self.max_running + self.max_queue:
+            if self._waiting + len(self._held) + len(prepared) > self.max_running + self.max_queue:
                 raise QueueFull(f"{self.max_running} requests are running and {self.max_queue} waiting")
-            tracked = Tracked(next(self._numbers), prepared, listener)
-            self._inbox.append(tracked)
-            self._waiting += 1
+            tracked = [Tracked(next(self._numbers), one, listener) for one, listener in zip(prepared, listeners)]
+            self._inbox.extend(tracked)
+            self._waiting += len(tracked)
             self._lock.notify()
-        return Handle(self, tracked)
+        return [Handle(self, one) for one in tracked]
 
     def check(self, request: EngineRequest) -> PreparedRequest:
         """Every check `submit` runs, without queueing: ValueError saying what is wrong."""
@@ -199,8 +204,7 @@ class Engine:
 
         if not requests:
             return []
-        for index, request in enumerate(requests):
-            self.submit(request, listener_for(index))
+        self.submit_all(requests, [listener_for(index) for index in range(len(requests))])
         if not done.wait(timeout):
             raise TimeoutError(f"{remaining[0]} of {len(requests)} requests unfinished after {timeout} s")
         return results

@@ -29,6 +29,10 @@ from decoding.streaming import response_slice
 
 logger = logging.getLogger(__name__)
 
+# A lane of fewer slots keeps its size until it is empty: halving it would save little and cost a
+# program per size visited as requests finish one by one.
+SHRINK_FROM = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelContext:
@@ -74,9 +78,10 @@ class Lane:
     """Slot bookkeeping shared by the three kinds; subclasses make entries and read reports.
 
     The lane's shape is (slots, cache rows per slot), both powers of two: slots follow the live
-    requests (doubling when full, halving when no more than a quarter are live), rows follow the
-    largest need among them (growing when a longer request joins, shrinking when the longest
-    left needs a quarter or less), so a step costs about what its requests need."""
+    requests (doubling when full; from SHRINK_FROM slots up, halving when no more than a quarter
+    are live), rows follow the largest need among them (growing when a longer request joins,
+    shrinking when the longest left needs a quarter or less), so a step costs about what its
+    requests need, and a steady load keeps one shape."""
 
     def __init__(self, context: ModelContext, key: LaneKey, max_context: int):
         self.context, self.key, self.max_context = context, key, max_context
@@ -133,7 +138,7 @@ class Lane:
         if not live:
             self.drop()  # the memory goes back; a new request makes the lane again
             return
-        size = self.size // 2 if self.size >= 4 and len(live) <= self.size // 4 else self.size
+        size = self.size // 2 if self.size >= SHRINK_FROM and len(live) <= self.size // 4 else self.size
         needed = self.rows_for(max(t.rows for t in live))
         capacity = needed if needed <= self.capacity // 4 else self.capacity
         if (size, capacity) != (self.size, self.capacity):

@@ -77,7 +77,7 @@ def take_slots(slots: Any, indices: jax.Array, capacity: int) -> Any:
     return jax.tree_util.tree_map(fit, taken, is_leaf=lambda node: isinstance(node, ModelState))
 
 
-def capacity_bucket(rows: int, max_context: int, smallest: int = 16) -> int:
+def capacity_bucket(rows: int, max_context: int, smallest: int = 64) -> int:
     """Cache rows for a lane whose requests need up to `rows`: the next power of two (at least
     `smallest`), or `max_context` above it. A lane's step reads its whole cache when it is short
     (`clover_jax.nn.online_attention` reads up to 1024 keys in one block; fused attention reads
