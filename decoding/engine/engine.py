@@ -139,7 +139,8 @@ class Engine:
         self._waiting = 0                                          # inbox + queue
         self._numbers = itertools.count()
         self._closed = False
-        self.steps = 0                                             # lane steps run (for tests and benchmarks)
+        self.steps = 0                                             # lane steps run
+        self.finished: collections.Counter = collections.Counter()  # requests ended, by finish reason
         self._thread = threading.Thread(target=self._loop, name="clover-jax-engine", daemon=True)
         self._thread.start()
 
@@ -349,6 +350,8 @@ class Engine:
     def _finish(self, tracked: Tracked, finish: str, tokens: list[int] | None = None, error: str | None = None) -> None:
         """Free the request's slot (or prefill) and send its last event."""
         self._release(tracked)
+        if not tracked.done:
+            self.finished[finish] += 1
         self._deliver(tracked, EngineEvent(tokens or [], finish, self._stats(tracked), error))
 
     def _fail(self, tracked: Tracked, message: str) -> None:

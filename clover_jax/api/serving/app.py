@@ -66,7 +66,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": service.name, "running": service.engine.running(),
-                "queued": service.engine.queued()}
+                "queued": service.engine.queued(), "finished": dict(service.engine.finished)}
 
     @app.get("/v1/models")
     async def models():

@@ -147,7 +147,8 @@ class Submission:
         self.handle = engine.submit(request, self._listen)
 
     def _listen(self, event: EngineEvent) -> None:  # on the engine's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if not self.loop.is_closed():  # a closed loop: the server stopped, nobody waits for the event
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[EngineEvent]:
         while not self.finished:
