@@ -116,6 +116,17 @@ def choose(logits: jax.Array, controls: Controls, do_sample: bool, key: jax.Arra
         token = jnp.argmax(logits, axis=-1)
     probabilities = jax.nn.softmax(logits, axis=-1)
     confidence = jnp.take_along_axis(probabilities, token[:, None], axis=-1)[:, 0]
-    top_two = jax.lax.top_k(probabilities, 2)[0]
     entropy = -jnp.sum(jnp.where(probabilities > 0, probabilities * jnp.log(probabilities), 0.0), axis=-1)
-    return Choice(token.astype(jnp.int32), confidence, top_two[:, 0] - top_two[:, 1], entropy)
+    return Choice(token.astype(jnp.int32), confidence, top_two_gap(probabilities), entropy)
+
+
+def top_two_gap(probabilities: jax.Array) -> jax.Array:
+    """The largest value minus the second largest (0 when the largest occurs twice) over the last
+    axis: `lax.top_k(p, 2)`'s two values subtracted, in reductions. Why not top_k: XLA:CPU turned
+    `top_k(p, 2)` followed by a slice into a sort of the whole vocabulary for every row (measured:
+    270 ms for 32 rows of 32,768 against 1.7 ms for top_k alone, and as much inside `choose`)."""
+    first = jnp.max(probabilities, axis=-1, keepdims=True)
+    at_first = probabilities == first
+    rest = jnp.max(jnp.where(at_first, -jnp.inf, probabilities), axis=-1)
+    second = jnp.where(jnp.sum(at_first, axis=-1) > 1, first[..., 0], rest)
+    return first[..., 0] - second
