@@ -25,10 +25,18 @@ $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[serve]"
 	touch $(RUNTIME_STAMP)
 
-venv: $(STAMP)
+# The TPU and GPU compilers of the `aot` extra, beside the environment (docs/compiling.md).
+COMPILERS_STAMP := $(VENV)/clover-jax-compilers/.clover-jax-compilers.json
+$(COMPILERS_STAMP): $(STAMP)
+	$(BIN)/python -m clover_jax.parallel.compilers install --quiet
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+venv: $(STAMP) $(COMPILERS_STAMP)
+
+# One pytest worker per core (2 on CI); each test file runs whole on one worker, so its module fixtures are built once.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+
+test: $(STAMP) $(COMPILERS_STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The bundled tiny Clover (clover_jax/bundled/tiny-clover, trained to sort digits) answering from the command
 # line, each block shown as it is denoised: first with its shipped decoding controls, then two positions per

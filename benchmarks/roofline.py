@@ -42,16 +42,10 @@ import dataclasses
 import json
 import math
 
-from clover_jax.core.config import CloverConfig
+from clover_jax.core.config import CLOVER_35B_A3B, CloverConfig
 from clover_jax.core.params import STACK_EXPERTS, param_rows
 
-MODEL = CloverConfig(
-    vocab_size=248_320, hidden_size=2048, num_hidden_layers=40,
-    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 10,
-    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
-)
+MODEL = CloverConfig.from_dict(CLOVER_35B_A3B)
 # Bytes per element: weights and K/V cache bf16, GDN recurrent state float32.
 DTYPE_BYTES = dict(weight_bytes=2, kv_bytes=2, state_bytes=4)
 CONFIG = {**dataclasses.asdict(MODEL), **DTYPE_BYTES}  # what the report records

@@ -5,7 +5,8 @@ full JSON output.
 
 Scripts: decoding.py, forward_cost.py, expert_scaling.py, context_scaling.py, compile.py,
 moe_scaling.py, load.py, load_orbax.py (the last two with their own defaults), roofline.py
-(arithmetic only). A script that fails is reported in the document with its exit status and the
+(arithmetic only), compile_targets.py (Clover-35B compiled for every named accelerator; about
+half an hour on 2 cores). A script that fails is reported in the document with its exit status and the
 tail of its stderr; the others still run.
 
 Targets: each script lists its `checks` (a figure, its target, and, where the script can work it
@@ -32,7 +33,7 @@ from benchmarks.common import REPO_ROOT, machine, setup_environment  # noqa: E40
 setup_environment()
 
 SCRIPTS = ["decoding", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling", "load",
-           "load_orbax", "roofline"]
+           "load_orbax", "roofline", "compile_targets"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}
 
@@ -273,10 +274,35 @@ def render_roofline(j: dict):
                     f(plain["tokens_per_forward_needed_for_reported"]["H200"])]]
 
 
+def render_compile_targets(j: dict):
+    gb = lambda n: f"{n / 1e9:.2f}"
+    lines = [f"{j['model']}, context {j['context_length']}, batch {j['batch']}, bfloat16 activations; each loop "
+             "compiled from this CPU host by the target's own compiler (libtpu; XLA's CUDA compiler with Triton "
+             "and ptxas) with abstract parameters, on the mesh the plan chooses. Bytes are per device, from "
+             "`memory_analysis()`; \"of device\" is the total over the memory a program may use (TPU: the HBM the "
+             "runtime reports; GPU: JAX's preallocated 75%); \"estimate\" is the plan's arithmetic, and its error "
+             "is against the compiler's total.", ""]
+    lines += table(["target", "weights", "mesh (d,e,t)", "loop", "compile s", "arguments GB", "temporaries GB",
+                    "total GB", "of device", "estimate GB", "estimate error", "fits"],
+                   [[r["target"], r["weights"], ",".join(str(v) for v in r["mesh"].values()), r["loop"],
+                     f(r["compile_s"]), gb(r["argument_bytes"]), gb(r["temp_bytes"]), gb(r["total_bytes"]),
+                     "refused" if r["error"] else f"{100 * r['fraction_of_device']:.0f}%", gb(r["estimate_bytes"]),
+                     "—" if r["estimate_error"] is None else f"{100 * r['estimate_error']:+.0f}%", f(r["fits"])]
+                    for r in j["rows"]])
+    if j["refused"]:
+        lines += ["Refused by the compiler:", ""] + [f"- {line}" for line in j["refused"]] + [""]
+    lines += ["Recommendation per target (by the compiler where it ran): " + "; ".join(
+        f"{target}: {weights or 'nothing fits'}" for target, weights in j["recommendations"].items()) + ".", ""]
+    worst = max((abs(r["estimate_error"]) for r in j["rows"] if r["estimate_error"] is not None), default=None)
+    return lines, [["compile_targets", "loops compiled / refused",
+                    f"{sum(1 for r in j['rows'] if not r['error'])} / {len(j['refused'])}"],
+                   ["compile_targets", "worst |estimate − compiler| / compiler", f(worst)]]
+
+
 RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "expert_scaling": render_expert_scaling,
           "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
-          "roofline": render_roofline}
+          "roofline": render_roofline, "compile_targets": render_compile_targets}
 TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive vs transformers "
                       "(`benchmarks/decoding.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
@@ -286,6 +312,7 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
           "moe_scaling": "MoE layer vs number of experts (`benchmarks/moe_scaling.py`)",
           "load": "Checkpoint load (`benchmarks/load.py`)",
           "load_orbax": "Safetensors vs Orbax load (`benchmarks/load_orbax.py`)",
+          "compile_targets": "Clover-35B compiled for TPU and GPU targets (`benchmarks/compile_targets.py`)",
           "roofline": "Roofline arithmetic (`benchmarks/roofline.py`)"}
 
 

@@ -10,30 +10,25 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clover_jax import _moved
-
 _EXPORTS = {
     "CloverModel": "clover_jax.api.clover_model",
     "CloverConfig": "clover_jax.core.config",
     "ConfigError": "clover_jax.core.config",
     "choose_kernels": "clover_jax.core.kernels",
-    "plan": "clover_jax.parallel.planner",
+    "plan": "clover_jax.api.plan",
     "QuantSpec": "clover_jax.core.quantization",
     "MeshSharding": "clover_jax.parallel.sharding",
-    "MeshPlan": "clover_jax.parallel.sharding",  # deprecated: MeshSharding
     "ShardingRules": "clover_jax.parallel.sharding",
     "make_mesh": "clover_jax.parallel.sharding",
 }
 
 __all__ = sorted([*_EXPORTS, "bundled_model_path"])
 
-_moved.install()  # old module paths (clover_jax.model, ...) keep working for one release
-
 if TYPE_CHECKING:
     from clover_jax.api.clover_model import CloverModel
     from clover_jax.core.config import CloverConfig, ConfigError
     from clover_jax.core.kernels import choose_kernels
-    from clover_jax.parallel.planner import plan
+    from clover_jax.api.plan import plan
     from clover_jax.core.quantization import QuantSpec
     from clover_jax.parallel.sharding import MeshSharding, ShardingRules, make_mesh
 

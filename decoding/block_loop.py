@@ -234,7 +234,7 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
 
 def _denoise_logits(d: Decoder, state: LoopState):
     out = d.passes.denoise(d.params, state.block, state.model, coreset=d.spec.coreset,
-                           coreset_top_p=d.request.coreset_top_p)
+                           coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
     return out.logits, out.distinct_experts
 
 
@@ -301,7 +301,7 @@ def _commit_step(d: Decoder, state: LoopState) -> LoopState:
     """Commit the decided block and run the first denoising step of the next, in one forward."""
     masks = jnp.full_like(state.block, d.ids.mask)
     out = d.passes.commit_and_denoise(d.params, state.block, masks, state.model, coreset=d.spec.coreset,
-                                      coreset_top_p=d.request.coreset_top_p)
+                                      coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
     none = jnp.zeros_like(state.decided)
     state = state._replace(model=out.state, block=masks, decided=none, fixed=none, block_iter=state.block_iter + 1,
                            step=jnp.zeros_like(state.step), open=~state.finished,

@@ -1,19 +1,9 @@
-"""`generate`: validation, batch layout and bucketing on the host; one jitted loop on the device.
+"""`generate`: validation on the host, then one jitted loop on the device.
 
-Layout (docs/design.md §4). Absolute alignment: sequence i's first `floor(P_i/B)` prompt blocks are the
-causal prefix and its prompt tail opens the first decoded block; sequences are left-padded by
-whole blocks so that their first decoded blocks line up. Prompt alignment: every prompt is
-the whole prefix, left-padded so that all prompts end at the same cache row.
-
-Compilation is reused across calls by bucketing (policy): the prefix length and the number of
-decoded positions are rounded up to powers of two while they are at most one prefill chunk
-(2048 tokens by default), and to whole chunks beyond, so prompts and `max_new_tokens`
-that land in the same buckets — at the same batch size and block size — share one compiled
-loop. Extra padding is masked out (RoPE positions count from each sequence's first token), and
-extra blocks are never run: the loop stops when every sequence is finished. Numeric controls
-(threshold, penalties, ramps, temperature, top-k/p, coreset top-p) and the schedule's parameters
-(`schedule_params`) are traced, so changing them does not recompile; the schedule itself,
-`do_sample`, the block size and `max_steps_per_block` do.
+How prompts are laid out and bucketed for each mode's loop is `decoding.layouts`. Numeric
+controls (threshold, penalties, ramps, temperature, top-k/p, coreset top-p) and the schedule's
+parameters (`schedule_params`) are traced, so changing them does not recompile; the schedule
+itself, `do_sample`, the block size and `max_steps_per_block` do.
 """
 
 from __future__ import annotations
@@ -27,18 +17,14 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
-from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
-from decoding.block_loop import (History, LoopSpec, Request, next_block, next_step, results, run_block_decoder,
-                                 start_blocks, start_steps)
-from decoding.controls import Controls, TokenIds
+from decoding.block_loop import History, next_block, next_step, results, start_blocks, start_steps
 from decoding.generation_config import GenerationConfig
-from decoding.speculative import SpeculativeSpec, run_self_speculative
-from decoding.schedules import resolve, resolve_params
+from decoding.layouts import (MODES, autoregressive_call, bucket, controls_of, coreset_of, diffusion_call,
+                              prompt_thinking, self_speculative_call, token_ids_of)
 from decoding.streaming import BlockListener, BlockReporter
 
 logger = logging.getLogger(__name__)
@@ -69,16 +55,7 @@ def _default_key() -> jax.Array:
     return jax.random.key(0)
 
 
-MODES = ("diffusion", "autoregressive", "self_speculative")
-
-
-def bucket(count: int, step: int) -> int:
-    """0 stays 0; up to `step`, the next power of two; beyond, the next multiple of `step`
-    (so padding never costs more than one chunk of extra prefill on a long prompt)."""
-    if count <= 0:
-        return 0
-    power = 1 << (count - 1).bit_length()
-    return power if count <= step else min(power, -(-count // step) * step)
+__all__ = ["GenerateOutput", "MODES", "bucket", "generate"]
 
 
 def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
@@ -124,7 +101,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
     keys = key if key is not None else _default_key()  # prompt i's key, fold_in(key, i), is made in the loop
-    controls, ids = controls_of(config), token_ids_of(model, config)
+    controls, ids = controls_of(config), token_ids_of(config)
     thinking = np.array([prompt_thinking(p, config) for p in prompts])
     started = time.perf_counter()
     if mode == "autoregressive":
@@ -218,81 +195,27 @@ def check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[l
     return checked
 
 
-def controls_of(config: GenerationConfig) -> Controls:
-    # NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each.
-    f = np.float32
-    return Controls(f(config.repetition_penalty), f(config.frequency_penalty), f(config.presence_penalty),
-                    f(config.dllm_length_penalty), f(config.dllm_length_penalty_start),
-                    f(config.dllm_length_penalty_window), f(config.dllm_think_end_bias),
-                    f(config.dllm_think_end_start), f(config.dllm_think_end_window), f(config.temperature),
-                    np.int32(config.top_k), f(config.top_p), f(config.threshold))
-
-
-def token_ids_of(model, config: GenerationConfig) -> TokenIds:
-    as_id = lambda value: np.int32(-1 if value is None else value)
-    eos = np.asarray(list(config.eos_token_id) or [-1], np.int32)
-    return TokenIds(eos, as_id(config.mask_token_id), as_id(config.think_start_token_id),
-                    as_id(config.think_end_token_id))
-
-
-def prompt_thinking(prompt: list[int], config: GenerationConfig) -> bool:
-    """Does the prompt end inside an unclosed <think>?"""
-    if config.think_start_token_id is None or config.think_end_token_id is None:
-        return False
-    opened = max((i for i, t in enumerate(prompt) if t == config.think_start_token_id), default=-1)
-    closed = max((i for i, t in enumerate(prompt) if t == config.think_end_token_id), default=-1)
-    return opened > closed
-
-
 # ---------------------------------------------------------------------- diffusion
 def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory, return_history,
                         on_block, streamer, on_step, bar) -> GenerateOutput:
-    size, new = config.block_size, config.max_new_tokens
-    lengths = np.array([len(p) for p in prompts])
-    if config.block_alignment == "absolute":
-        prefix_blocks = lengths // size
-        tails = lengths % size
-        blocks_needed = -(-(lengths + new) // size) - prefix_blocks
-    else:
-        prefix_blocks = -(-lengths // size)  # whole prompts, padded to blocks
-        tails = np.zeros_like(lengths)
-        blocks_needed = np.full_like(lengths, -(-new // size))
-    chunk_blocks = max(1, model.chunk_size // size)
-    prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
-    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
-                    config.do_sample, resolve(config.schedule), coreset_enabled(model, config), return_history,
-                    model.chunk_size)
-
-    prefix_length = prefix_bucket * size
-    model.check_memory(len(prompts), prefix_length + spec.max_blocks * size, size)
-    prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
-    first_block = np.full((len(prompts), size), config.mask_token_id, np.int32)
-    start = np.zeros(len(prompts), np.int32)
-    for i, prompt in enumerate(prompts):
-        in_prefix = prompt[:len(prompt) - tails[i]]
-        start[i] = prefix_length - len(in_prefix)
-        prefix_ids[i, start[i]:] = in_prefix
-        first_block[i, :tails[i]] = prompt[len(prompt) - tails[i]:]
-    fixed = np.arange(size)[None, :] < tails[:, None]
-    coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
-    request = Request(prefix_ids, first_block, fixed, start, (-tails).astype(np.int32), lengths.astype(np.int32),
-                      np.full(len(prompts), new, np.int32), thinking, lengths - tails > 0, keys,
-                      np.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config))
-    args = (model.passes, model.run_params, spec, request, controls, ids)
+    call = diffusion_call(model.passes, model.run_params, prompts, config, model.chunk_size,
+                          *coreset_of(config, model.config), keys, thinking, controls, ids, history=return_history)
+    model.check_memory(len(prompts), call.capacity, call.block)
     reporter = None
     if on_block is not None or streamer is not None or bar is not None:
-        reporter = BlockReporter(prompts, tails, new, config.eos_token_id, on_block, streamer, bar)
+        reporter = BlockReporter(prompts, call.tails, config.max_new_tokens, config.eos_token_id, on_block, streamer,
+                                 bar)
     try:
         if on_step is not None:
-            final = _drive_steps(args, on_step, reporter)
+            final = _drive_steps(call.args, on_step, reporter)
         elif reporter is not None:
-            final = _drive_blocks(args, reporter)
+            final = _drive_blocks(call.args, reporter)
         else:
-            final = jax.device_get(run_block_decoder(*args))
+            final = jax.device_get(call.run())
     finally:
         if reporter is not None:
             reporter.close()
-    return _diffusion_output(final, tails, new, config, return_trajectory)
+    return _diffusion_output(final, call.tails, config.max_new_tokens, config, return_trajectory)
 
 
 def _drive_blocks(args, reporter: BlockReporter):
@@ -349,23 +272,12 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
     return output
 
 
-def coreset_enabled(model, config: GenerationConfig) -> bool:
-    return model.config.moe_block_coreset_enabled if config.coreset is None else bool(config.coreset)
-
-
 # ---------------------------------------------------------------------- autoregressive
 def _generate_autoregressive(model, prompts, config, key, controls, ids, thinking) -> GenerateOutput:
-    lengths = np.array([len(p) for p in prompts])
-    prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
-    spec = AutoregressiveSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), config.do_sample,
-                              model.chunk_size)
-    model.check_memory(len(prompts), prompt_length + spec.max_new_tokens, 1)
-    prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
-    for i, prompt in enumerate(prompts):
-        prompt_ids[i, prompt_length - len(prompt):] = prompt
-    tokens, generated, nfe = jax.device_get(run_autoregressive(
-        model.passes, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
-        np.full(len(prompts), config.max_new_tokens, np.int32), thinking, key, controls, ids))
+    call = autoregressive_call(model.passes, model.run_params, prompts, config, model.chunk_size, key, thinking,
+                               controls, ids)
+    model.check_memory(len(prompts), call.capacity, call.block)
+    tokens, generated, nfe = jax.device_get(call.run())
     output = GenerateOutput([], [], [], [], [], 0.0, None)
     for i in range(len(prompts)):
         response = tokens[i, :int(generated[i])].tolist()
@@ -381,19 +293,11 @@ def _generate_autoregressive(model, prompts, config, key, controls, ids, thinkin
 def _generate_self_speculative(model, prompts, config, controls, ids, thinking,
                                return_trajectory: bool) -> GenerateOutput:
     """Prompts left-padded as for autoregressive decoding; rounds of `decoding.speculative`."""
-    size = config.block_size
-    lengths = np.array([len(p) for p in prompts])
-    prompt_length = max(8, bucket(int(lengths.max()), model.chunk_size))
-    spec = SpeculativeSpec(prompt_length, bucket(config.max_new_tokens, model.chunk_size), size,
-                           coreset_enabled(model, config), return_trajectory, model.chunk_size)
-    model.check_memory(len(prompts), prompt_length + spec.max_new_tokens + size, size)
-    prompt_ids = np.zeros((len(prompts), prompt_length), np.int32)
-    for i, prompt in enumerate(prompts):
-        prompt_ids[i, prompt_length - len(prompt):] = prompt
-    coreset_top_p = config.coreset_top_p if config.coreset_top_p is not None else model.config.moe_block_coreset_top_p
-    final = jax.device_get(run_self_speculative(
-        model.passes, model.run_params, spec, prompt_ids, (prompt_length - lengths).astype(np.int32),
-        np.full(len(prompts), config.max_new_tokens, np.int32), thinking, np.float32(coreset_top_p), controls, ids))
+    call = self_speculative_call(model.passes, model.run_params, prompts, config, model.chunk_size,
+                                 *coreset_of(config, model.config), thinking, controls, ids, return_trajectory)
+    model.check_memory(len(prompts), call.capacity, call.block)
+    final = jax.device_get(call.run())
+    lengths = call.lengths
     output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
     for i in range(len(prompts)):
         response = final.tokens[i, :int(final.lengths[i])].tolist()

@@ -137,16 +137,18 @@ class RoundOutcome(NamedTuple):
 def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
                       controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, max_new_tokens: jax.Array,
                       model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
-                      active: jax.Array) -> RoundOutcome:
+                      active: jax.Array, distinct_experts: bool = False) -> RoundOutcome:
     """Draft, verify, accept and roll back (the module docstring's steps 1–4) for every sequence at
     once; each at its own fill (`model.length` int32 [b]). Shared by `run_self_speculative` and the
-    serving engine. controls: one for the batch (scalars) or one per sequence ([b] arrays)."""
+    serving engine. controls: one for the batch (scalars) or one per sequence ([b] arrays). The
+    draft pass's distinct experts are collected only with `distinct_experts` (zeros otherwise)."""
     batch = pending.shape[0]
     rows = jnp.arange(size)
     masks = jnp.full((batch, size), ids.mask, jnp.int32)
     # the pending token's row (appended) and its logits, then the masked block's
     draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
-                                      coreset_top_p=coreset_top_p, committed_logits=True)
+                                      coreset_top_p=coreset_top_p, committed_logits=True,
+                                      distinct_experts=distinct_experts)
     thinking = thinking_open(counts, prompt_thinking, ids)
     drafts = greedy_processed(draft.logits[:, 1:], counts, lengths[:, None] + rows, thinking, controls, ids)
     verify = passes.recording_causal(params, drafts, draft.state)
@@ -168,7 +170,8 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
     rolled = passes.rolled_back(verify.state, jnp.where(active, accepted, 0), size)
     rolled = rolled._replace(length=jnp.where(active, rolled.length, model.length))  # not active: frozen
     next_pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
-    distinct = jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0)
+    distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
+                else jnp.zeros((batch,), jnp.float32))
     return RoundOutcome(rolled, next_pending, choices, emitted, counts, new_lengths, finished, drafts, accepted,
                         distinct)
 

@@ -17,30 +17,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.grouped_matmul import fit_tile, grouped_matmul
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
-from pallas_kernels.platforms import platform_name
-
-Kernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
-
-
-def kernel_for(platform: str, kernel: Kernel, has_active_groups: bool, quantized: bool = False) -> str:
-    """The kernel `kernel="auto"` means on `platform` ("cpu", "gpu", "tpu"; "cuda"/"rocm" mean "gpu")."""
-    if kernel != "auto":
-        return kernel
-    platform = platform_name(platform)
-    if platform == "cpu":
-        return "xla"
-    if platform == "tpu" and not has_active_groups and not quantized:
-        return "megablox"
-    return "pallas"
-
+from pallas_kernels.platforms import GroupedKernel, grouped_matmul_kernel, platform_name
 
 def _rows_past_total_to_zero(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
     keep = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
@@ -77,7 +60,7 @@ def grouped_matmul_for_platform(
     rhs_scales: jax.Array | None = None,
     active_groups: jax.Array | None = None,
     preferred_element_type: jnp.dtype | None = None,
-    kernel: Kernel = "auto",
+    kernel: GroupedKernel = "auto",
     interpret: bool = False,
 ) -> jax.Array:
     """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth] float, or int8 /
@@ -86,7 +69,7 @@ def grouped_matmul_for_platform(
     "cuda" or "rocm" means "gpu", `platforms.platform_name`). `interpret` runs the Pallas choices
     in interpret mode (tests on CPU)."""
     platform = platform_name(platform)
-    chosen = kernel_for(platform, kernel, active_groups is not None, rhs_scales is not None)
+    chosen = grouped_matmul_kernel(platform, kernel, active_groups is not None, rhs_scales is not None)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
         raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")

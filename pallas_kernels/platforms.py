@@ -4,7 +4,8 @@
 `jax.default_backend()` and `Device.platform` say). JAX lowers for a GPU under the names
 ``"cuda"`` and ``"rocm"`` (`jax.export(platforms=[...])`, `jax.lax.platform_dependent`);
 wherever a platform is passed in, those are accepted and mean ``"gpu"`` (`platform_name`).
-`clover_jax.core.kernels` speaks the same vocabulary.
+`clover_jax.core.kernels` speaks the same vocabulary (it imports it from here), and reads here
+which grouped matmul runs on a platform (`grouped_matmul_kernel`).
 
 Each kernel here has two drivers around the same math, named for the platform they are for:
 
@@ -42,6 +43,24 @@ def platform_name(platform: str) -> str:
         raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)} "
                          f"({' and '.join(GPU_LOWERINGS)} mean gpu)")
     return name
+
+
+GroupedKernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
+
+
+def grouped_matmul_kernel(platform: str, kernel: GroupedKernel, has_active_groups: bool, quantized: bool = False) -> str:
+    """The grouped matmul `kernel="auto"` means on `platform`: `jax.lax.ragged_dot` on CPU (Pallas
+    only interprets there); on TPU megablox `gmm`, JAX's tuned kernel, except for a listed subset
+    of groups (it has no such form) or quantised weights (it takes float weights only); our
+    Pallas kernel otherwise (`grouped_matmul_platform` runs the choice)."""
+    if kernel != "auto":
+        return kernel
+    platform = platform_name(platform)
+    if platform == "cpu":
+        return "xla"
+    if platform == "tpu" and not has_active_groups and not quantized:
+        return "megablox"
+    return "pallas"
 
 
 def variant_for(platform: str, variant: Variant) -> str:

@@ -19,8 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (the suite slowed down many times over, with half the CPU in the kernel); one torch thread suffices
 # for the tiny reference models.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# One persistent compilation cache for the session (its subprocesses included): tests never read
-# or fill the user's cache, and CLI and notebook subprocesses reuse each other's programs.
+# One persistent compilation cache for the session, its pytest-xdist workers and its subprocesses
+# included: tests never read or fill the user's cache, and workers, CLI and notebook subprocesses
+# reuse each other's programs (writes are atomic renames, so workers may share it). The process
+# that made it (the controller, or a run without workers) removes it at the end; workers inherit
+# the variable.
 _SESSION_CACHE = None
 if "CLOVER_JAX_CACHE_DIR" not in os.environ:
     import tempfile

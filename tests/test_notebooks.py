@@ -29,7 +29,7 @@ def test_notebook_is_committed_with_outputs_cleared(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs_end_to_end_on_cpu(name, monkeypatch):
+def test_notebook_runs_end_to_end_on_cpu(name, monkeypatch, tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
@@ -37,6 +37,7 @@ def test_notebook_runs_end_to_end_on_cpu(name, monkeypatch):
         pytest.skip(f"the bundled model is not in this checkout yet ({BUNDLED_MODEL}); the notebooks run on it")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits the environment
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CLOVER_JAX_FIGURES", str(tmp_path))  # the figures in docs/ are not rewritten by tests
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     started = time.perf_counter()
     NotebookClient(notebook, timeout=600, kernel_name="python3",

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec, scales_sharding
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.finite_check import require_finite_array
 from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for
@@ -309,8 +309,8 @@ def load_orbax_params(
         is_part = path[-1] in QUANTIZED_PARTS and spec is not None and spec.applies_to(path[:-1])
         weight_path = path[:-1] if is_part else path
         sharding = sharding_for(weight_path, shape) if sharding_for else default
-        if is_part and path[-1] == "scales":
-            sharding = scales_sharding(sharding, len(shape))
+        if is_part:
+            sharding = quantized_shardings(sharding, len(shape))[path[-1] == "scales"]
         return jax.ShapeDtypeStruct(shape, stored_dtype if is_part else target_dtype, sharding=sharding)
 
     targets = {path: target(path, shape, stored_dtype) for path, (shape, stored_dtype) in stored.items()}

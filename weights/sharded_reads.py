@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec, scales_sharding
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
 from clover_jax.core.quantization import quantize as quantize_weight
 from weights.checkpoint_files import CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
@@ -40,7 +40,7 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
         array = jax.make_array_from_callback(shape, sharding, read_slice)
         return array, sum(region.nbytes for region in reads.values())
     # Quantised: each slice is read and quantised once; values and scales are built from it.
-    # Slices never cut the input dimension (it is not sharded), so int4 groups stay whole.
+    # Slices never cut the input dimension (`quantized_shardings`), so int4 groups stay whole.
     # Scales are [..., groups, out] (the weight's last two axes swapped), and so is their sharding.
     quantized: dict[tuple, QuantizedWeight] = {}
     float_bytes = []
@@ -57,8 +57,9 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
 
     scales_index = lambda index: index[:-2] + (index[-1], slice(None))  # -> the float slice's index
     values_shape, scales_shape = quantize.stored_shapes(shape)
-    values = jax.make_array_from_callback(values_shape, sharding, lambda index: quantized_slice(index).values)
-    scales = jax.make_array_from_callback(scales_shape, scales_sharding(sharding, len(shape)),
+    values_sharding, scales_sharding = quantized_shardings(sharding, len(shape))
+    values = jax.make_array_from_callback(values_shape, values_sharding, lambda index: quantized_slice(index).values)
+    scales = jax.make_array_from_callback(scales_shape, scales_sharding,
                                           lambda index: quantized_slice(scales_index(index)).scales)
     return QuantizedWeight(values, scales), sum(float_bytes)
 

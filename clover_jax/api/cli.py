@@ -280,6 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
     serve.set_defaults(run=run_serve)
+    plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
+                                            "with --compile)",
+                               description="Bytes per device of each weight format on the mesh a target allows, "
+                                           "and the best that fits. With --compile, the decoding loops are compiled "
+                                           "for the target by its own compiler, from this machine (docs/compiling.md).")
+    plan.add_argument("model", nargs="?", metavar="DIR|ORG/NAME", default=None,
+                      help="checkpoint directory or Hub id; only config.json is read (default: the bundled tiny model)")
+    plan.add_argument("--target", required=True, metavar="NAME",
+                      help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5p-8, H100, H200 or H200xN (N GPUs)")
+    plan.add_argument("--compile", action="store_true",
+                      help="compile the diffusion, autoregressive and self-speculative loops for the target and let "
+                           "the compiler decide what fits (minutes per format at full size)")
+    plan.add_argument("--context-length", type=_int, default=32768, metavar="TOKENS",
+                      help="prompt + response positions to budget for (default 32768)")
+    plan.add_argument("--batch", type=_int, default=1, metavar="N", help="sequences decoded together (default 1)")
+    plan.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=run_plan)
     return parser
 
 
@@ -760,6 +778,42 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         print(format_info(record))
     return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from clover_jax.parallel.targets import target
+
+    try:
+        target(args.target)
+    except ValueError as error:
+        raise UsageError(f"argument --target: {error}") from None
+    if args.batch < 1 or args.context_length < 1:
+        raise UsageError("arguments --batch and --context-length must be >= 1")
+    if args.model is None and args.revision is not None:
+        raise UsageError("--revision applies to a Hub id given as MODEL")
+    from clover_jax.api.plan import plan as make_plan
+
+    result = make_plan(args.model or BUNDLED_MODEL, args.target, context_length=args.context_length,
+                       batch=args.batch, compile=args.compile, revision=args.revision)
+    print(json.dumps(plan_record(result)) if args.json else result)
+    return 0
+
+
+def plan_record(result) -> dict[str, Any]:
+    """A plan as JSON: each option's format, mesh, bytes per device (estimated and, when compiled,
+    each loop's compiler figures or error) and whether it fits."""
+    def option_record(option) -> dict[str, Any]:
+        record = {"weights": option.weights, "quantize": None if option.quantize is None else option.quantize.name,
+                  "mesh": option.mesh, "weight_bytes": option.weight_bytes, "state_bytes": option.state_bytes,
+                  "estimate_bytes": option.total_bytes, "device_bytes": option.device_bytes, "fits": option.fits}
+        if option.compiled is not None:
+            record["compiled"] = {mode: {**dataclasses.asdict(memory), "total_bytes": memory.total_bytes}
+                                  for mode, memory in option.compiled.items()}
+        return record
+
+    chosen = None if result.recommendation is None else result.options.index(result.recommendation)
+    return {"target": result.target, "options": [option_record(option) for option in result.options],
+            "recommendation": chosen, "reason": result.reason}
 
 
 def parameter_counts(config) -> dict[str, int]:

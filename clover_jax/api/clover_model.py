@@ -24,7 +24,7 @@ from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutpu
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.kernels import choose_kernels
-from clover_jax.nn.model import CloverTransformer, TransformerPasses, stack_groups, unstack_groups
+from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for, stack_groups, unstack_groups
 from clover_jax.core.quantization import QuantSpec
 from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 from clover_jax.core.state import ModelState, empty_state
@@ -51,7 +51,7 @@ def run_pass(passes: ModelPasses, params: Params, input_ids: jax.Array, state: M
 def run_denoise(passes: ModelPasses, params: Params, block_ids: jax.Array, state: ModelState, coreset: bool,
                 coreset_top_p: jax.Array) -> BlockLogits:
     """A denoising forward that returns only its logits: the state is read, never copied out."""
-    out = passes.denoise(params, block_ids, state, coreset=coreset, coreset_top_p=coreset_top_p)
+    out = passes.denoise(params, block_ids, state, coreset=coreset, coreset_top_p=coreset_top_p, distinct_experts=True)
     return BlockLogits(out.logits, out.distinct_experts)
 
 
@@ -60,7 +60,7 @@ def run_commit_and_denoise(passes: ModelPasses, params: Params, commit_ids: jax.
                            state: ModelState, coreset: bool, coreset_top_p: jax.Array) -> PassOutput:
     """A commit fused with the next block's denoising forward: `ModelPasses.commit_and_denoise`, compiled."""
     return passes.commit_and_denoise(params, commit_ids, block_ids, state, coreset=coreset,
-                                     coreset_top_p=coreset_top_p)
+                                     coreset_top_p=coreset_top_p, distinct_experts=True)
 
 
 @persistent_jit(static_argnames=("passes", "chunk_size", "logits"))
@@ -90,7 +90,8 @@ class CloverModel:
         self.dtype = jnp.dtype(dtype)
         self.mesh_sharding = mesh_sharding  # mesh and sharding rules; None: one device
         self.kernels = choose_kernels(impl)
-        self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding)
+        self.module = CloverTransformer(config, self.dtype, self.kernels, mesh_sharding,
+                                        layer_loop_for(self.kernels.platform))
         self.passes: ModelPasses = TransformerPasses(self.module)  # made once: compiled calls key on it
         self.fitted_requests: set[tuple[int, int, int]] = set()  # (batch, capacity, block) that fit
         self.params = params
@@ -102,16 +103,7 @@ class CloverModel:
 
     @params.setter
     def params(self, params: Params) -> None:
-        self.run_params = unstack_groups(params) if self.kernels.layer_loop == "unrolled" else stack_groups(params)
-
-    @property
-    def plan(self) -> MeshSharding | None:
-        """Deprecated name of `mesh_sharding` ("plan" now means only `clover_jax.plan`)."""
-        import warnings
-
-        warnings.warn("CloverModel.plan is now CloverModel.mesh_sharding; the old name will be removed in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        return self.mesh_sharding
+        self.run_params = unstack_groups(params) if self.module.layer_loop == "unrolled" else stack_groups(params)
 
     @classmethod
     def from_pretrained(

@@ -247,6 +247,21 @@ class CloverConfig:
         return cls(**values)
 
 
+# Clover-35B-A3B-Preview's config.json fields (the model card's shapes: 40 layers of 3 GDN + 1
+# attention, hidden 2048, 256 routed experts of 512, top-8, vocabulary 248,320): what planning,
+# compiling for accelerators and the benchmarks use when they need the real model without its
+# checkpoint. `CloverConfig.from_dict(CLOVER_35B_A3B)`. The mask and EOS ids are placeholders at the
+# end of the vocabulary (a checkpoint's own config.json gives the real ones); shapes do not depend on them.
+CLOVER_35B_A3B: dict[str, Any] = dict(
+    model_type="clover_moe", vocab_size=248320, hidden_size=2048, num_hidden_layers=40, full_attention_interval=4,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    max_position_embeddings=131072, tie_word_embeddings=False, mask_token_id=248319, eos_token_id=[248046],
+    dtype="bfloat16")
+
+
 def config_json_path(directory: str | os.PathLike) -> str:
     """The checkpoint directory's config.json; ConfigError when there is none."""
     path = os.path.join(os.fspath(directory), "config.json")

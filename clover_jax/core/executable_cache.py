@@ -10,11 +10,11 @@ traces, compiles and stores it.
 
 What identifies a program (the file name is a hash of all of it): the function; its static
 arguments; the tree structure, shapes, dtypes and shardings of the others; the source of the
-packages that build the program (`clover_jax`, `decoding`, `pallas_kernels`), so editing the
-code never reuses a stale program; the JAX and jaxlib versions; the platform and device kind;
-`XLA_FLAGS` and the JAX settings that change numerics. Calls whose static arguments cannot be
-named stably (a mesh, a schedule defined inside a function) run through plain `jax.jit`, as do
-programs JAX cannot serialize. A file that does not load is replaced, with a warning.
+packages that build the program (every top-level package of clover-jax's distribution,
+`source_packages`), so editing the code never reuses a stale program; the JAX and jaxlib
+versions; the platform and device kind; `XLA_FLAGS` and the JAX settings that change numerics.
+Calls whose static arguments cannot be named stably (a mesh, a schedule defined inside a
+function) run through plain `jax.jit`, as do programs JAX cannot serialize. A file that does not load is replaced, with a warning.
 
 The cache directory is the user's own (`CLOVER_JAX_CACHE_DIR`): like any pickled executable,
 its files must not come from an untrusted source.
@@ -43,7 +43,6 @@ from clover_jax.core import compilation_cache
 
 logger = logging.getLogger(__name__)
 
-_PACKAGES = ("clover_jax", "decoding", "pallas_kernels")
 LOADED_PER_FUNCTION = 64  # programs kept in memory per decorated function, least recently used dropped
 _INSTANCES: "weakref.WeakSet[PersistentJit]" = weakref.WeakSet()
 
@@ -53,11 +52,30 @@ class NotNameable(Exception):
 
 
 @functools.lru_cache(maxsize=1)
+def source_packages() -> tuple[str, ...]:
+    """The top-level packages of the distribution that holds this one (clover-jax's, as its
+    pyproject.toml lists them): the code a compiled program may come from. Read from the installed
+    metadata, so this module names none of the packages above it; without metadata (a bare
+    source tree on the path), every package beside this one."""
+    import importlib.metadata
+
+    top = __name__.split(".")[0]
+    owners = importlib.metadata.packages_distributions().get(top)
+    if owners:
+        packages = {name for name, distributions in importlib.metadata.packages_distributions().items()
+                    if owners[0] in distributions}
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        packages = {name for name in os.listdir(root) if os.path.isfile(os.path.join(root, name, "__init__.py"))}
+    return tuple(sorted(packages))
+
+
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """A hash of everything a compiled program depends on besides its arguments."""
     digest = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above clover_jax/core/
-    for package in _PACKAGES:
+    for package in source_packages():
         for folder, _, files in sorted(os.walk(os.path.join(root, package))):
             for name in sorted(files):
                 if name.endswith(".py"):
@@ -105,7 +123,7 @@ def _function_name(function) -> str:
         return ("partial(" + _function_name(function.func) + describe(function.args)
                 + describe(function.keywords) + ")")
     module, name = getattr(function, "__module__", ""), getattr(function, "__qualname__", "")
-    if not module.startswith(_PACKAGES) or "<" in name:
+    if module.split(".")[0] not in source_packages() or "<" in name:
         raise NotNameable(f"{module}.{name}")  # a user's function: its code is not in the hash
     return f"{module}.{name}"
 

@@ -1,83 +1,122 @@
-"""Which implementation runs each hot spot: one user switch, `impl="auto" | "pallas" | "xla"`.
+"""Which implementation runs each hot spot — attention, the GDN rule, the routed experts —
+resolved in this one place.
 
-`impl` is the user's word; `choose_kernels` resolves it, per platform, into a `KernelChoice`
-whose fields are named for what they select:
+`impl` is the user's word; `choose_kernels` resolves it, per platform, into a `KernelChoice`,
+and the choice resolves each hot spot, once per pass, into the rule that runs there — which
+kernel, interpreted or compiled, at which chunk size. The model's modules only look the rule's
+kernel up in the table of functions beside them (`clover_jax.nn.attention`, `nn.gdn`,
+`nn.moe`), and whatever must agree with a pass — the rollback of a recorded GDN pass rereads its
+chunk — asks the same `KernelChoice`.
 
-| impl     | `attention`                               | `gdn` (chunked rule)         | `moe` (routed experts)     |
-|----------|-------------------------------------------|------------------------------|----------------------------|
-| "xla"    | "online_softmax" over key blocks (XLA)    | "xla": `gated_delta` scan    | "xla": tiled scan          |
-| "pallas" | "dot_product_attention" (cuDNN on GPU)    | "pallas": Pallas `gdn_chunk` | "pallas": grouped matmul   |
-| "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"      | GPU, TPU: Pallas; CPU: XLA   | GPU, TPU: Pallas; CPU: XLA |
+| impl     | attention                                 | GDN causal rows (`gdn_rule`)  | routed experts (`expert_rule`)  |
+|----------|-------------------------------------------|-------------------------------|---------------------------------|
+| "xla"    | "online_softmax" over key blocks          | "chunked" (XLA)               | "tiled" (XLA)                   |
+| "pallas" | "dot_product_attention" (cuDNN on GPU)    | "pallas" (`gdn_chunk`)        | "grouped" (grouped matmuls)     |
+| "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"      | GPU, TPU: Pallas; CPU: XLA    | GPU, TPU: grouped; CPU: tiled   |
 
-`impl="pallas"` forces the Pallas kernels of `pallas_kernels/`. Attention has none: with
-"pallas" it takes `jax.nn.dot_product_attention`, the platform's fused attention (a cuDNN
-kernel on GPU, XLA elsewhere), not a Pallas kernel. Why attention stays on the online softmax
+One causal row (an autoregressive step) always takes the "recurrent" per-token rule. The
+grouped matmul is megablox `gmm` on TPU for float weights and our Pallas kernel otherwise
+(`pallas_kernels.platforms.grouped_matmul_kernel`). On CPU every Pallas kernel is interpreted:
+slow, for parity tests only.
+
+Attention has no Pallas kernel: "pallas" takes `jax.nn.dot_product_attention`, the platform's
+fused attention (a cuDNN kernel on GPU, XLA elsewhere). Why attention stays on the online softmax
 on TPU: splash/flash attention take static (NumPy) masks or segment ids, while a pass's masks
 depend on the traced prefix length and per-sequence start, and the XLA fallback of
 `jax.nn.dot_product_attention` materialises the [queries, keys] scores. On GPU cuDNN's fused
 attention takes the traced boolean mask.
 
-On CPU "pallas" runs the kernels in interpret mode: slow, for parity tests only.
-
-Platforms are named as JAX's backends are: "cpu", "gpu", "tpu"; the lowering names "cuda" and
-"rocm" are accepted and mean "gpu" (`pallas_kernels.platforms`, the same vocabulary; not
-imported here, since importing Pallas costs startup time on CPU).
+Platforms are named as JAX's backends are, in the one vocabulary of `pallas_kernels.platforms`:
+"cpu", "gpu", "tpu" ("cuda" and "rocm", the lowering names, mean "gpu").
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 
+from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
+
+__all__ = ["ATTENTIONS", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice", "PLATFORMS",
+           "choose_kernels", "platform_name"]
+
 IMPLS = ("auto", "pallas", "xla")
-PLATFORMS = ("cpu", "gpu", "tpu")  # as `pallas_kernels.platforms.PLATFORMS`
-GPU_LOWERINGS = ("cuda", "rocm")
 ATTENTIONS = ("online_softmax", "dot_product_attention")
 KEY_BLOCK = 1024  # keys reduced at a time by the online softmax (the memory estimate counts its scores)
-# Earlier names of the attention choices, still accepted by `KernelChoice`.
-_ATTENTION_ALIASES = {"online": "online_softmax", "fused": "dot_product_attention"}
 
 
-def platform_name(platform: str) -> str:
-    """`platform` in the one vocabulary: "cpu", "gpu" or "tpu" ("cuda" and "rocm" are "gpu")."""
-    name = "gpu" if platform in GPU_LOWERINGS else platform
-    if name not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; expected cpu, gpu or tpu (cuda and rocm mean gpu)")
-    return name
+class GDNRule(NamedTuple):
+    """The gated delta rule of a pass's causal rows: `kernel` "recurrent" (token by token, one
+    row), "chunked" (`clover_jax.nn.gated_delta`, XLA) or "pallas" (`pallas_kernels.gdn_chunk`),
+    `chunk_size` tokens per chunk, and whether a Pallas kernel is interpreted."""
+
+    kernel: str
+    chunk_size: int
+    interpret: bool
+
+
+class ExpertRule(NamedTuple):
+    """The routed experts of a pass: `kernel` "tiled" (`clover_jax.nn.expert_dispatch.routed_expert_mlp`,
+    XLA) or "grouped" (two grouped matmuls, `grouped_kernel` "megablox" or "pallas" for
+    `platform`'s driver, interpreted or not); `per_device`: they run inside `shard_map`, each
+    device on its own experts (the expert axis splits them, or a Pallas custom call, which XLA
+    cannot partition, runs on a mesh)."""
+
+    kernel: str
+    grouped_kernel: str | None
+    platform: str
+    interpret: bool
+    per_device: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """The resolved choice; hashable, so it can be a static field of the Flax modules."""
+    """The resolved choice; hashable, so it can be a static field of the Flax modules.
+
+    gdn_chunk: tokens per chunk of the GDN rule. None: the XLA rule takes, per pass, the smallest
+    power of two from 16 to 64 that holds the pass's causal rows (a 16-token commit pays for 16,
+    not 64); the Pallas kernel keeps its own 64.
+    """
 
     attention: str = "online_softmax"  # "online_softmax" | "dot_product_attention"
     gdn: str = "xla"           # "xla" | "pallas"
     moe: str = "xla"           # "xla" | "pallas"
     platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
-    layer_loop: str = "scan"   # "scan" | "unrolled": how the layer groups run (`clover_jax.nn.model`)
-    # Tokens per chunk of the GDN chunked rule. None: chosen per pass, the smallest power of two
-    # from 16 to 64 that holds the pass's causal rows (a 16-token commit pays for 16, not 64); the
-    # Pallas kernel keeps its own 64 unless this is set.
     gdn_chunk: int | None = None
 
     def __post_init__(self):
-        # one spelling per choice, so equal choices compare (and hash, as jit keys) equal
-        attention = _ATTENTION_ALIASES.get(self.attention, self.attention)
-        if attention not in ATTENTIONS:
+        if self.attention not in ATTENTIONS:
             raise ValueError(f"KernelChoice.attention={self.attention!r} is not one of {ATTENTIONS}")
-        object.__setattr__(self, "attention", attention)
+        for field, value in (("gdn", self.gdn), ("moe", self.moe)):
+            if value not in ("xla", "pallas"):
+                raise ValueError(f"KernelChoice.{field}={value!r} is not one of ('xla', 'pallas')")
         object.__setattr__(self, "platform", platform_name(self.platform))
-
-    def gdn_chunk_for(self, causal_rows: int) -> int:
-        """The GDN chunk of a pass with `causal_rows` causal rows."""
-        if self.gdn_chunk is not None:
-            return self.gdn_chunk
-        return min(64, max(16, 1 << max(0, causal_rows - 1).bit_length()))
 
     @property
     def interpret(self) -> bool:
-        return self.platform == "cpu"
+        """Pallas kernels are interpreted where there is no Pallas compiler (the CPU)."""
+        return interpret_for(self.platform, None)
+
+    def gdn_rule(self, causal_rows: int) -> GDNRule:
+        """The rule for a pass with `causal_rows` causal rows."""
+        if causal_rows == 1:
+            return GDNRule("recurrent", 1, self.interpret)
+        if self.gdn == "pallas":
+            from pallas_kernels.gdn_chunk import CHUNK_SIZE  # on use: importing Pallas costs startup time
+
+            return GDNRule("pallas", self.gdn_chunk or CHUNK_SIZE, self.interpret)
+        chunk = self.gdn_chunk or min(64, max(16, 1 << max(0, causal_rows - 1).bit_length()))
+        return GDNRule("chunked", chunk, self.interpret)
+
+    def expert_rule(self, quantized: bool, expert_devices: int = 1, on_mesh: bool = False) -> ExpertRule:
+        """The rule for routed experts whose weights are `quantized` (or not), on a mesh whose expert
+        axis has `expert_devices` devices (`on_mesh`: there is a mesh at all)."""
+        if self.moe == "xla":
+            return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1)
+        kernel = "pallas" if self.platform == "cpu" else grouped_matmul_kernel(self.platform, "auto", False, quantized)
+        return ExpertRule("grouped", kernel, self.platform, self.interpret, on_mesh)
 
 
 def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelChoice:
@@ -85,9 +124,7 @@ def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelCho
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
     platform = platform_name(platform or jax.default_backend())
-    # XLA:CPU copies every slice of a stacked weight before a matmul; accelerators read it in place.
-    layer_loop = "unrolled" if platform == "cpu" else "scan"
     if impl == "xla" or (impl == "auto" and platform == "cpu"):
-        return KernelChoice(platform=platform, layer_loop=layer_loop)
+        return KernelChoice(platform=platform)
     attention = "dot_product_attention" if impl == "pallas" or platform == "gpu" else "online_softmax"
-    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform, layer_loop=layer_loop)
+    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform)

@@ -7,6 +7,8 @@ tracing the model; `tests/clover_jax/core/test_param_layout.py` checks the table
 
 from __future__ import annotations
 
+from typing import Any
+
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import Shape, param_rows
 
@@ -17,12 +19,17 @@ def flat_layout(config: CloverConfig) -> dict[tuple[str, ...], Shape]:
     return {path: row.leaf_shape(config) for path, row in param_rows(config).items()}
 
 
-def param_layout(config: CloverConfig) -> dict:
-    """Nested dict of parameter shapes; layer parameters carry a leading [num_groups] axis."""
-    layout: dict = {}
-    for path, shape in flat_layout(config).items():
-        node = layout
+def nested(flat: dict[tuple[str, ...], Any]) -> dict:
+    """{path: leaf} -> the nested dict of the parameter pytree."""
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = shape
-    return layout
+        node[path[-1]] = leaf
+    return tree
+
+
+def param_layout(config: CloverConfig) -> dict:
+    """Nested dict of parameter shapes; layer parameters carry a leading [num_groups] axis."""
+    return nested(flat_layout(config))

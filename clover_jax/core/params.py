@@ -18,12 +18,16 @@ A row says, for one parameter of the Flax modules (`clover_jax.nn.model`):
       tensor, laid out like the leaf;
 * `default` — for the optional Clover block-mode tensors (docs/design.md §2), the value a
   checkpoint without them gets;
+* `init` — how a freshly initialised model fills it (training the bundled model, tests):
+  "normal" (σ 0.02), "conv" (σ 0.1), "zeros", "ones" or "default" (the `default` value);
 * `quantize` — "always" (the routed experts, under any `QuantSpec`), "dense" (only with
   `QuantSpec(dense=True)`) or "never" (embedding, LM head, norms, router, small projections).
 
-`param_layout` (shapes), `sharding.param_logical_axes`, `weights.name_table` (checkpoint names and
-defaults), `QuantSpec.applies_to` and `parameter_counts` all read this table;
-`tests/clover_jax/core/test_param_layout.py` checks it against the tree the modules trace.
+It is the only declaration of a weight: the Flax modules create each parameter from its row
+(`clover_jax.nn.layers.table_param`: shape, initialiser), and `param_layout` (shapes),
+`sharding.param_logical_axes`, `weights.name_table` (checkpoint names and defaults),
+`QuantSpec.applies_to` and `parameter_counts` all read it. To add a weight, add its row;
+`tests/clover_jax/core/test_param_layout.py` checks the table against the tree the modules trace.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ Path = tuple[str, ...]
 TOP, EVERY_LAYER, LINEAR_ATTENTION, FULL_ATTENTION = "top", "every_layer", "linear_attention", "full_attention"
 COPY, SQUEEZE_CHANNEL, STACK_EXPERTS = "copy", "squeeze_channel", "stack_experts"
 ALWAYS, DENSE, NEVER = "always", "dense", "never"
+INITS = ("normal", "conv", "zeros", "ones", "default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +63,11 @@ class Param:
     default: Callable[[CloverConfig], float] | None = None
     quantize: str = NEVER
     untied_only: bool = False  # absent when config.tie_word_embeddings (the LM head)
+    init: str = "normal"
 
     def __post_init__(self):
+        if self.init not in INITS or (self.init == "default") != (self.default is not None):
+            raise ValueError(f"{self.path}: init {self.init!r} (one of {INITS}; 'default' exactly when a default is given)")
         for name in ("path", "checkpoint"):  # written as "a/b" or "name" in the table
             value = getattr(self, name)
             if isinstance(value, str):
@@ -105,9 +113,9 @@ PARAMS: tuple[Param, ...] = (
     Param("embed_tokens/embedding", TOP, lambda c: (c.vocab_size, c.hidden_size), ("vocab", None),
           "model.embed_tokens.weight"),
     # ---- every decoder layer
-    Param("input_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,), "input_layernorm.weight"),
+    Param("input_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,), "input_layernorm.weight", init="zeros"),
     Param("post_attention_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,),
-          "post_attention_layernorm.weight"),
+          "post_attention_layernorm.weight", init="zeros"),
     Param("mlp/gate", EVERY_LAYER, lambda c: (c.num_experts, c.hidden_size), (None, None), "mlp.gate.weight"),
     _routed("experts_gate_up_proj", lambda c: (c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size),
             ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
@@ -133,22 +141,24 @@ PARAMS: tuple[Param, ...] = (
     Param("linear_attn/in_proj_a/weight", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads, c.hidden_size),
           ("value_heads", None), "linear_attn.in_proj_a.weight"),
     Param("linear_attn/conv1d_weight", LINEAR_ATTENTION, lambda c: (c.conv_dim, c.linear_conv_kernel_dim),
-          (None, None), "linear_attn.conv1d.weight", SQUEEZE_CHANNEL),
+          (None, None), "linear_attn.conv1d.weight", SQUEEZE_CHANNEL, init="conv"),
     Param("linear_attn/dt_bias", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads,), ("value_heads",),
-          "linear_attn.dt_bias"),
+          "linear_attn.dt_bias", init="ones"),
     Param("linear_attn/A_log", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads,), ("value_heads",),
-          "linear_attn.A_log"),
+          "linear_attn.A_log", init="zeros"),
     # Clover block-mode tensors (docs/design.md §2): optional in a checkpoint, with these defaults.
     Param("linear_attn/conv1d_right_weight", LINEAR_ATTENTION, lambda c: (c.conv_dim, c.linear_conv_kernel_dim),
-          (None, None), "linear_attn.conv1d_right.weight", SQUEEZE_CHANNEL, default=lambda c: 0.0),
+          (None, None), "linear_attn.conv1d_right.weight", SQUEEZE_CHANNEL, default=lambda c: 0.0,
+          init="default"),
     Param("linear_attn/block_logit_scale", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads,), ("value_heads",),
-          "linear_attn.block_logit_scale", default=lambda c: math.log(math.sqrt(c.linear_key_head_dim))),
+          "linear_attn.block_logit_scale", default=lambda c: math.log(math.sqrt(c.linear_key_head_dim)),
+          init="default"),
     Param("linear_attn/memory_logit_bias", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads,), ("value_heads",),
-          "linear_attn.memory_logit_bias", default=lambda c: 0.0),
+          "linear_attn.memory_logit_bias", default=lambda c: 0.0, init="default"),
     Param("linear_attn/block_size_calibration", LINEAR_ATTENTION, lambda c: (c.linear_num_value_heads,),
-          ("value_heads",), "linear_attn.block_size_calibration", default=lambda c: 0.0),
+          ("value_heads",), "linear_attn.block_size_calibration", default=lambda c: 0.0, init="default"),
     Param("linear_attn/norm/weight", LINEAR_ATTENTION, lambda c: (c.linear_value_head_dim,), (None,),
-          "linear_attn.norm.weight"),
+          "linear_attn.norm.weight", init="ones"),
     Param("linear_attn/out_proj/weight", LINEAR_ATTENTION, lambda c: (c.hidden_size, c.linear_value_dim),
           (None, "value_heads"), "linear_attn.out_proj.weight", quantize=DENSE),
     # ---- full attention layers: q_proj holds the query and the output gate of each head.
@@ -161,10 +171,12 @@ PARAMS: tuple[Param, ...] = (
           ("kv_heads", None), "self_attn.v_proj.weight", quantize=DENSE),
     Param("self_attn/o_proj/weight", FULL_ATTENTION, lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
           (None, "q_heads"), "self_attn.o_proj.weight", quantize=DENSE),
-    Param("self_attn/q_norm/weight", FULL_ATTENTION, lambda c: (c.head_dim,), (None,), "self_attn.q_norm.weight"),
-    Param("self_attn/k_norm/weight", FULL_ATTENTION, lambda c: (c.head_dim,), (None,), "self_attn.k_norm.weight"),
+    Param("self_attn/q_norm/weight", FULL_ATTENTION, lambda c: (c.head_dim,), (None,), "self_attn.q_norm.weight",
+          init="zeros"),
+    Param("self_attn/k_norm/weight", FULL_ATTENTION, lambda c: (c.head_dim,), (None,), "self_attn.k_norm.weight",
+          init="zeros"),
     # ---- after the layers
-    Param("norm/weight", TOP, lambda c: (c.hidden_size,), (None,), "model.norm.weight"),
+    Param("norm/weight", TOP, lambda c: (c.hidden_size,), (None,), "model.norm.weight", init="zeros"),
     Param("lm_head", TOP, lambda c: (c.vocab_size, c.hidden_size), ("vocab", None), "lm_head.weight",
           untied_only=True),
 )
@@ -190,6 +202,11 @@ def param_rows(config: CloverConfig) -> dict[Path, Param]:
                 for layer_row in layer_params(layer_type):
                     rows[("groups", slot_name(slot)) + layer_row.path] = layer_row
     return rows
+
+
+def table_row(in_layers: bool, path: Path) -> Param | None:
+    """The row at `path` inside a decoder layer (`in_layers`) or from the root, or None."""
+    return (_LAYER_ROWS if in_layers else _TOP_ROWS).get(tuple(path))
 
 
 def find_param(path: Path) -> Param | None:

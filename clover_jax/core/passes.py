@@ -40,9 +40,19 @@ DEFAULT_CHUNK = 2048
 LOGITS = ("all", "last", "none")
 
 
+class PassMode(NamedTuple):
+    """What kind of pass the layers run (static: each kind compiles once): the first `num_causal`
+    rows are causal, the rest block rows, routed within their block's coreset when `coreset`
+    (docs/design.md §3, §5). The layers take it as an argument of the pass."""
+
+    num_causal: int
+    coreset: bool = False
+
+
 class PassOutput(NamedTuple):
     """logits: float32 [batch, rows from logits_from, vocab]; state: after the causal rows;
-    distinct_experts: int32 [num_layers, batch], experts used by the block rows of each layer."""
+    distinct_experts: int32 [num_layers, batch], experts used by the block rows of each layer,
+    collected on request (`distinct_experts=True`; None otherwise)."""
 
     logits: jax.Array
     state: "ModelState"
@@ -61,12 +71,14 @@ class ModelPasses(abc.ABC):
 
     @abc.abstractmethod
     def run(self, params: Params, input_ids: jax.Array, state: "ModelState", *, num_causal: int, logits_from: int,
-            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None) -> PassOutput:
+            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None,
+            distinct_experts: bool = False) -> PassOutput:
         """One pass over `input_ids` at the end of `state`'s prefix: the first `num_causal` rows
         causal, the rest block rows, routed within their coreset with `coreset_top_p` when
         `coreset`; logits of rows `logits_from` onwards. commit: None, or bool [batch], which
         sequences append the causal rows (the others keep their state and denoise their block
-        right after it; `clover_jax.core.state.rows_for`)."""
+        right after it; `clover_jax.core.state.rows_for`). With `distinct_experts`, the number of
+        experts the block rows used in each layer (a diagnostic, collected only when asked)."""
 
     @abc.abstractmethod
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> "ModelState":
@@ -88,15 +100,15 @@ class ModelPasses(abc.ABC):
         return self.run(params, ids, state, num_causal=ids.shape[1], logits_from=logits_from)
 
     def denoise(self, params: Params, block_ids: jax.Array, state: "ModelState", *, coreset: bool,
-                coreset_top_p: Any) -> PassOutput:
+                coreset_top_p: Any, distinct_experts: bool = False) -> PassOutput:
         """A denoising forward of `block_ids` (may hold masks) after `state`'s prefix, which it
         leaves as it is. logits: [batch, block, vocab]."""
         return self.run(params, block_ids, state, num_causal=0, logits_from=0, coreset=coreset,
-                        coreset_top_p=coreset_top_p)
+                        coreset_top_p=coreset_top_p, distinct_experts=distinct_experts)
 
     def commit_and_denoise(self, params: Params, committed: jax.Array, block_ids: jax.Array, state: "ModelState",
                            *, coreset: bool, coreset_top_p: Any, committed_logits: bool = False,
-                           commit: jax.Array | None = None) -> PassOutput:
+                           commit: jax.Array | None = None, distinct_experts: bool = False) -> PassOutput:
         """Append `committed` (int [batch, C]) to `state` and denoise `block_ids` after it, in one
         pass. logits: the block rows' ([batch, block, vocab]), or with `committed_logits` the
         committed rows' first ([batch, C + block, vocab]). commit: None (every sequence commits)
@@ -106,7 +118,7 @@ class ModelPasses(abc.ABC):
         rows = committed.shape[1]
         return self.run(params, jnp.concatenate([committed, block_ids], axis=1), state, num_causal=rows,
                         logits_from=0 if committed_logits else rows, coreset=coreset, coreset_top_p=coreset_top_p,
-                        commit=commit)
+                        commit=commit, distinct_experts=distinct_experts)
 
     def recording_causal(self, params: Params, ids: jax.Array, state: "ModelState") -> PassOutput:
         """A causal pass over `ids` that can be rolled back to any of its rows: pass its state to

@@ -10,8 +10,8 @@ float weight's place in the parameter tree:
   with `scale = max|w_group| / 7`, codes in [-8, 7].
 
 Which inputs share a byte, and why scales are one row per group, is the layout of
-`pallas_kernels.quantized_weights`, the one the kernels read in place. Scales are sharded as
-their weight with the last two axes swapped (`scales_sharding`).
+`pallas_kernels.quantized_weights`, the one the kernels read in place. A quantised weight is
+placed as its float weight except along its input axis, never split (`quantized_shardings`).
 
 Matmuls dequantise on the fly: on accelerators the routed experts' grouped matmul dequantises
 tile by tile inside the kernel (`pallas_kernels.grouped_matmul`), so no float copy of an expert
@@ -35,7 +35,6 @@ import math
 from typing import Mapping, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -175,22 +174,26 @@ def quantize(weight: np.ndarray, spec: QuantSpec) -> QuantizedWeight:
     return QuantizedWeight(pack_int4(codes, spec.group_size), np.swapaxes(scale[..., 0], -1, -2).astype(SCALE_DTYPE))
 
 
-def scales_sharding(sharding: "jax.sharding.Sharding", rank: int) -> "jax.sharding.Sharding":
-    """The sharding of the scales of a weight of `rank` axes placed with `sharding`: the same
-    placement with the last two axes swapped (scales are [..., groups, out])."""
+def quantized_shardings(sharding: "jax.sharding.Sharding", rank: int) -> tuple["jax.sharding.Sharding",
+                                                                             "jax.sharding.Sharding"]:
+    """(values sharding, scales sharding) of a quantised weight of `rank` axes whose float weight is
+    placed with `sharding`: the same placement, except that the input axis is never split (a shard
+    holds whole rows of codes, so every int4 group and its scale stay on one device; the float
+    weight's input split, a tensor-parallel output projection's, is dropped), and the scales
+    ([..., groups, out]) split as the output axis."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
-        return sharding
+        return sharding, sharding
     spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+    named = lambda entries: jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*entries))
+    return named(spec[:-1] + (None,)), named(spec[:-2] + (None, spec[-2]))
 
 
 def place(weight: "QuantizedWeight | np.ndarray", sharding: "jax.sharding.Sharding | None"):
     """`jax.device_put` of a float or quantised weight with the sharding of the float weight."""
-    if not isinstance(weight, QuantizedWeight):
+    if not isinstance(weight, QuantizedWeight) or sharding is None:
         return jax.device_put(weight, sharding)
-    rank = weight.values.ndim
-    return QuantizedWeight(jax.device_put(weight.values, sharding),
-                           jax.device_put(weight.scales, None if sharding is None else scales_sharding(sharding, rank)))
+    values_sharding, scales_sharding = quantized_shardings(sharding, weight.values.ndim)
+    return QuantizedWeight(jax.device_put(weight.values, values_sharding), jax.device_put(weight.scales, scales_sharding))
 
 
 def dequantize(weight: "QuantizedWeight | jax.Array", dtype) -> jax.Array:

@@ -15,6 +15,8 @@ One pass handles `num_causal` causal rows followed by an optional block (docs/de
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from einops import rearrange
@@ -23,6 +25,7 @@ from flax import linen as nn
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.core.kernels import KernelChoice
+from clover_jax.core.passes import PassMode
 from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
@@ -31,32 +34,34 @@ from clover_jax.core.state import KVCache, Rows
 
 
 class GatedAttention(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ("self_attn",))  # its rows in the parameter table
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0  # leading rows that are causal and appended; the rest form a block
     key_block: int = KEY_BLOCK  # keys reduced at a time by the online softmax
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None  # unused: attention runs through XLA's partitioner on a mesh
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: KVCache, group, rows: Rows) -> tuple[jax.Array, KVCache]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], cache with the causal rows appended).
+    def __call__(self, x: jax.Array, cache: KVCache, group, rows: Rows, mode: PassMode) -> tuple[jax.Array, KVCache]:
+        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], cache with the causal rows appended);
+        mode: which leading rows are causal (appended), the rest a block.
 
         cache: this slot's K/V cache for every group, [num_groups, batch, capacity, kv_heads, head_dim];
         group: ours. The cache is written and read in place, block by block.
         """
         config = self.config
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         split_heads = lambda y, h: rearrange(y, "b t (h d) -> b t h d", h=h)
-        query, gate = jnp.split(split_heads(Linear(2 * heads * head_dim, self.dtype, name="q_proj")(x), heads), 2, -1)
-        key = split_heads(Linear(kv_heads * head_dim, self.dtype, name="k_proj")(x), kv_heads)
-        value = split_heads(Linear(kv_heads * head_dim, self.dtype, name="v_proj")(x), kv_heads)
-        query = RMSNorm(config.rms_norm_eps, self.dtype, name="q_norm")(query)
-        key = RMSNorm(config.rms_norm_eps, self.dtype, name="k_norm")(key)
+        query, gate = jnp.split(split_heads(Linear(config, self.dtype, name="q_proj")(x), heads), 2, -1)
+        key = split_heads(Linear(config, self.dtype, name="k_proj")(x), kv_heads)
+        value = split_heads(Linear(config, self.dtype, name="v_proj")(x), kv_heads)
+        query = RMSNorm(config, self.dtype, name="q_norm")(query)
+        key = RMSNorm(config, self.dtype, name="k_norm")(key)
         cos, sin = rope_angles(rows.positions, config.rotary_dim, config.rope_theta)
         query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
 
-        causal = self.num_causal
+        causal = mode.num_causal
         if causal:
             if rows.length.ndim:  # each sequence appends at its own fill (after a rollback)
                 at = (group, jnp.arange(x.shape[0])[:, None], rows.length[:, None] + jnp.arange(causal))
@@ -91,4 +96,4 @@ class GatedAttention(nn.Module):
         else:
             out = online_attention(query, segments, self.key_block)
         out = rearrange(out, "b t h d -> b t (h d)") * jax.nn.sigmoid(rearrange(gate, "b t h d -> b t (h d)"))
-        return Linear(config.hidden_size, self.dtype, name="o_proj")(out), cache
+        return Linear(config, self.dtype, name="o_proj")(out), cache

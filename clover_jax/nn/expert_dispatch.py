@@ -162,10 +162,14 @@ def grouped_expert_mlp(
     expert_weights: jax.Array,
     gate_up_proj: jax.Array,
     down_proj: jax.Array,
+    *,
     platform: str,
+    kernel: str,
+    interpret: bool,
 ) -> jax.Array:
-    """`routed_expert_mlp` (same arguments and result) through grouped-matmul kernels for `platform`
-    ("cpu": the Pallas kernel in interpret mode, for parity tests; "gpu"; "tpu")."""
+    """`routed_expert_mlp` (same arguments and result) through grouped matmuls with `kernel`
+    ("megablox", "pallas", ...: `pallas_kernels.grouped_matmul_for_platform`'s names) in
+    `platform`'s driver, interpreted or not, as `KernelChoice.expert_rule` resolved them."""
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
@@ -178,9 +182,8 @@ def grouped_expert_mlp(
     def matmul(rows, weights):
         # Quantised experts are read as stored and dequantised tile by tile inside the kernel.
         values, scales = (weights.values, weights.scales) if isinstance(weights, QuantizedWeight) else (weights, None)
-        return grouped_matmul_for_platform(platform, rows, values, group_sizes, rhs_scales=scales,
-                                           kernel="pallas" if platform == "cpu" else "auto",
-                                           interpret=platform == "cpu")
+        return grouped_matmul_for_platform(platform, rows, values, group_sizes, rhs_scales=scales, kernel=kernel,
+                                           interpret=interpret)
 
     gate, up = jnp.split(matmul(tokens[sorted_tokens], gate_up_proj), 2, axis=-1)
     pair_outputs = matmul(jax.nn.silu(gate) * up, down_proj)  # rows of dropped pairs are 0

@@ -23,6 +23,8 @@ restores the state at any of them (self-speculative decoding).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import functools
 import math
 
@@ -34,9 +36,10 @@ from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
-from clover_jax.core.kernels import KernelChoice
+from clover_jax.core.kernels import GDNRule, KernelChoice
+from clover_jax.core.passes import PassMode
 from clover_jax.parallel.sharding import MeshSharding
-from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize
+from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 
 
@@ -87,6 +90,18 @@ def block_mode_attention(
             + jnp.einsum("bhij,bjhv->bihv", weights[..., 1:], value, precision=jax.lax.Precision.HIGHEST))
 
 
+def gated_delta_rule(rule: GDNRule):
+    """The function a resolved rule (`KernelChoice.gdn_rule`) names: (q, k, v, decay, beta,
+    initial state) -> (outputs, final state), with the rule's chunk size and interpret flag."""
+    if rule.kernel == "recurrent":  # one row, an autoregressive step: no chunk padding
+        return recurrent_gated_delta_rule
+    if rule.kernel == "pallas":
+        from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
+
+        return functools.partial(gdn_chunk, chunk_size=rule.chunk_size, interpret=rule.interpret)
+    return functools.partial(chunked_gated_delta_rule, chunk_size=rule.chunk_size)
+
+
 def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value_heads: int):
     """`rule` (a gated-delta-rule kernel) run per device inside `shard_map`: XLA's partitioner
     cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
@@ -105,41 +120,38 @@ def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value
 
 
 class GatedDeltaNet(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ("linear_attn",))  # its rows in the parameter table
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0  # leading rows that are causal and advance the state; the rest form a block
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group,
-                 rows: Rows) -> tuple[jax.Array, GDNState | RecordingGDN]:
+    def __call__(self, x: jax.Array, stacked: GDNState | RecordingGDN, group, rows: Rows,
+                 mode: PassMode) -> tuple[jax.Array, GDNState | RecordingGDN]:
         """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], `stacked` with this layer's state
-        advanced by the causal rows).
+        advanced by the causal rows); mode: which leading rows are causal, the rest a block.
 
         stacked: this slot's GDN state for every group (leading [num_groups] axis); group: ours.
         A `RecordingGDN` comes back with our group's record filled from the causal rows.
         """
         config = self.config
         heads = config.linear_num_value_heads
-        mixed = Linear(config.conv_dim, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
-        gate = Linear(config.linear_value_dim, self.dtype, name="in_proj_z")(x)  # [b, t, value_dim]
-        beta_logit = Linear(heads, self.dtype, name="in_proj_b")(x)
-        decay_logit = Linear(heads, self.dtype, name="in_proj_a")(x)
+        mixed = Linear(config, self.dtype, name="in_proj_qkv")(x)       # [b, t, conv_dim]
+        gate = Linear(config, self.dtype, name="in_proj_z")(x)          # [b, t, value_dim]
+        beta_logit = Linear(config, self.dtype, name="in_proj_b")(x)    # [b, t, value_heads]
+        decay_logit = Linear(config, self.dtype, name="in_proj_a")(x)   # [b, t, value_heads]
         kernel = config.linear_conv_kernel_dim
-        conv_weight = self.param("conv1d_weight", nn.initializers.normal(0.1), (config.conv_dim, kernel), self.dtype)
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (heads,), self.dtype)
-        a_log = self.param("A_log", nn.initializers.zeros, (heads,), self.dtype)
-        # Clover block-mode parameters, initialised to docs/design.md §2 defaults.
-        right_weight = self.param("conv1d_right_weight", nn.initializers.zeros, (config.conv_dim, kernel), self.dtype)
-        block_logit_scale = self.param("block_logit_scale", nn.initializers.constant(
-            math.log(math.sqrt(config.linear_key_head_dim))), (heads,), self.dtype)
-        memory_logit_bias = self.param("memory_logit_bias", nn.initializers.zeros, (heads,), self.dtype)
-        block_size_calibration = self.param("block_size_calibration", nn.initializers.zeros, (heads,), self.dtype)
+        conv_weight, dt_bias, a_log = (table_param(self, config, name) for name in ("conv1d_weight", "dt_bias", "A_log"))
+        # Clover block-mode parameters (docs/design.md §2; initialised to their defaults)
+        right_weight, block_logit_scale, memory_logit_bias, block_size_calibration = (
+            table_param(self, config, name) for name in ("conv1d_right_weight", "block_logit_scale",
+                                                         "memory_logit_bias", "block_size_calibration"))
 
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
-        causal, cores = self.num_causal, []
+        causal, cores = mode.num_causal, []
         record = None
         if isinstance(stacked, RecordingGDN):
             stacked, record = stacked
@@ -161,17 +173,9 @@ class GatedDeltaNet(nn.Module):
             beta = jax.nn.sigmoid(beta_logit[:, :causal])
             decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
                 decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
-            if causal == 1:  # an autoregressive step: the per-token form, no chunk padding
-                rule = recurrent_gated_delta_rule
-            elif self.kernels.gdn == "pallas":
-                from pallas_kernels import gdn_chunk  # imported on use: Pallas costs startup time on CPU
-
-                chunk = {} if self.kernels.gdn_chunk is None else {"chunk_size": self.kernels.gdn_chunk}
-                rule = functools.partial(gdn_chunk, interpret=self.kernels.interpret, **chunk)
-                if self.mesh_sharding is not None:
-                    rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
-            else:
-                rule = functools.partial(chunked_gated_delta_rule, chunk_size=self.kernels.gdn_chunk_for(causal))
+            rule = gated_delta_rule(self.kernels.gdn_rule(causal))
+            if self.kernels.gdn_rule(causal).kernel == "pallas" and self.mesh_sharding is not None:
+                rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             if record is not None:
@@ -201,6 +205,6 @@ class GatedDeltaNet(nn.Module):
 
         core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
-        normed = GatedRMSNorm(config.rms_norm_eps, self.dtype, name="norm")(core.astype(self.dtype), gate)
-        out = Linear(config.hidden_size, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
+        normed = GatedRMSNorm(config, self.dtype, name="norm")(core.astype(self.dtype), gate)
+        out = Linear(config, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
         return out, stacked if record is None else RecordingGDN(stacked, record)

@@ -1,4 +1,5 @@
-"""Small building blocks shared by the attention, GDN and MoE modules.
+"""Small building blocks shared by the attention, GDN and MoE modules, and `table_param`, by
+which every module creates its parameters from the parameter table (`clover_jax.core.params`).
 
 Weights keep the Hugging Face layout `[out_features, in_features]` so that the checkpoint table
 in `weights/` maps names without transposes and a reader can compare shapes with the checkpoint.
@@ -10,42 +11,69 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.params import table_row
 from clover_jax.core.quantization import QuantizedWeight, dequantize
 
-default_init = nn.initializers.normal(stddev=0.02)
+_INITIALIZERS = {"normal": nn.initializers.normal(stddev=0.02), "conv": nn.initializers.normal(stddev=0.1),
+                 "zeros": nn.initializers.zeros, "ones": nn.initializers.ones}
 
 
-def weight_param(module: nn.Module, name: str, shape: tuple[int, ...], dtype) -> "jax.Array | QuantizedWeight":
-    """A weight that may be held quantised: the stored value as it is (Flax's `param` would
-    refuse a `QuantizedWeight` whose arrays differ from `shape`), or a new one at init."""
+def table_param(module: nn.Module, config: CloverConfig, name: str) -> "jax.Array | QuantizedWeight":
+    """Parameter `name` of `module` as its row of the parameter table declares it: the shape (for
+    `config`) and initialiser, in the module's `dtype`. A stored value is returned as it is —
+    weights may be held quantised (`QuantizedWeight`), whose arrays Flax's `param` would refuse.
+
+    The row's path is the module's names from the nearest enclosing module that declares where it
+    sits in the table (`TABLE_SCOPE`: (inside a decoder layer?, path prefix)), so a layer or a
+    token mixer applied on its own finds the same rows as inside the model."""
+    in_layers, path = _table_path(module)
+    row = table_row(in_layers, path + (name,))
+    if row is None:
+        raise KeyError(f"the parameter table has no row {'/'.join(path + (name,))} "
+                       f"({'in a decoder layer' if in_layers else 'at the top'})")
     if module.has_variable("params", name):
         return module.get_variable("params", name)
-    return module.param(name, default_init, shape, dtype)
+    init = nn.initializers.constant(row.default(config)) if row.init == "default" else _INITIALIZERS[row.init]
+    return module.param(name, init, row.shape(config), module.dtype)
+
+
+def _table_path(module: nn.Module) -> tuple[bool, tuple[str, ...]]:
+    names, node = [], module
+    while isinstance(node, nn.Module):
+        scope = getattr(type(node), "TABLE_SCOPE", None)
+        if scope is not None:
+            in_layers, prefix = scope
+            return in_layers, tuple(prefix) + tuple(reversed(names))
+        names.append(node.name)
+        node = node.parent
+    raise KeyError(f"{type(module).__name__} is not inside a module that declares its place in the parameter table")
 
 
 class Linear(nn.Module):
-    """`y = x Wᵀ` with `weight: [out_features, in_features]`, no bias (Qwen3.5 has none).
-    The weight may be a `QuantizedWeight`; it is dequantised before the matmul."""
+    """`y = x Wᵀ` with `weight: [out_features, in_features]` (its row of the parameter table), no
+    bias (Qwen3.5 has none). The weight may be a `QuantizedWeight`; it is dequantised before the
+    matmul."""
 
-    out_features: int
+    config: CloverConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = dequantize(weight_param(self, "weight", (self.out_features, x.shape[-1]), self.dtype), self.dtype)
+        weight = dequantize(table_param(self, self.config, "weight"), self.dtype)
         return jnp.einsum("...i,oi->...o", x.astype(self.dtype), weight)
 
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm, `x * rsqrt(mean(x²) + eps) * (1 + w)`, computed in float32."""
 
-    eps: float
+    config: CloverConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        normed = rms_normalize(x.astype(jnp.float32), self.eps)
+        weight = table_param(self, self.config, "weight")
+        normed = rms_normalize(x.astype(jnp.float32), self.config.rms_norm_eps)
         return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -56,13 +84,13 @@ class GatedRMSNorm(nn.Module):
     round to the input dtype, scale by `w`, gate in float32.
     """
 
-    eps: float
+    config: CloverConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        normed = rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
+        weight = table_param(self, self.config, "weight")
+        normed = rms_normalize(x.astype(jnp.float32), self.config.rms_norm_eps).astype(x.dtype)
         scaled = (weight * normed).astype(jnp.float32)
         return (scaled * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 

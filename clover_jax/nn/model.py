@@ -3,7 +3,8 @@
 Layers come in groups that repeat the config's layer pattern — for Qwen3.6 (3 GDN + 1 full
 attention) × 10. Every parameter under `groups` has a leading `[num_groups]` axis in the
 canonical ("stacked") layout, and layer `i` of the checkpoint is slot `i % len(pattern)` of
-group `i // len(pattern)`. Two loops run the groups (`KernelChoice.layer_loop`):
+group `i // len(pattern)`. Two loops run the groups (`CloverTransformer.layer_loop`, by platform
+`layer_loop_for`):
 
 * "scan" (GPU, TPU): `nn.scan` over the stacked parameters, so compile time does not grow with
   depth; accelerators read each group's slice of a stacked weight in place.
@@ -27,7 +28,8 @@ the named passes of `TransformerPasses(module)` (the interface of `clover_jax.co
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +39,10 @@ from flax import linen as nn
 from clover_jax.nn import rollback
 from clover_jax.nn.attention import GatedAttention
 from clover_jax.core.config import CloverConfig
-from clover_jax.core.passes import ModelPasses, Params, PassOutput
+from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
 from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.core.kernels import KernelChoice
-from clover_jax.nn.layers import RMSNorm, default_init
+from clover_jax.nn.layers import RMSNorm, table_param
 from clover_jax.nn.moe import SparseMoE
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
@@ -48,32 +50,41 @@ from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_
 LAYER_LOOPS = ("scan", "unrolled")
 
 
+def layer_loop_for(platform: str) -> str:
+    """How the layer groups run on `platform`: unrolled over separate arrays on CPU (XLA:CPU copies
+    every slice of a stacked weight before a matmul), scanned on accelerators (which read a
+    group's slice in place, and whose compile time then does not grow with depth)."""
+    return "unrolled" if platform == "cpu" else "scan"
+
+
 class DecoderLayer(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ())  # its rows in the parameter table: the layer rows
+
     config: CloverConfig
     layer_type: str
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0
-    coreset: bool = False
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, hidden: jax.Array, state: Any, group, rows: Rows, coreset_top_p) -> tuple[jax.Array, Any, jax.Array]:
-        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state, distinct experts [batch]).
+    def __call__(self, hidden: jax.Array, state: Any, group, rows: Rows, mode: PassMode,
+                 coreset_top_p) -> tuple[jax.Array, Any]:
+        """hidden: [batch, tokens, hidden_size] -> (same shape, the mixer's new state).
 
-        state: this slot's state for every group (leading [num_groups] axis); group: which one is ours.
+        state: this slot's state for every group (leading [num_groups] axis); group: which one is
+        ours; mode: which rows are causal, and whether the block routes within its coreset.
         """
         config = self.config
         mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
         name = "linear_attn" if self.layer_type == "linear_attention" else "self_attn"
-        mixed = RMSNorm(config.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        mixed, state = mixer(config, self.dtype, self.num_causal, kernels=self.kernels,
-                             mesh_sharding=self.mesh_sharding, name=name)(mixed, state, group, rows)
+        mixed = RMSNorm(config, self.dtype, name="input_layernorm")(hidden)
+        mixed, state = mixer(config, self.dtype, kernels=self.kernels, mesh_sharding=self.mesh_sharding,
+                             name=name)(mixed, state, group, rows, mode)
         hidden = hidden + mixed
-        feed_forward = RMSNorm(config.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        feed_forward, distinct = SparseMoE(config, self.dtype, self.num_causal, self.coreset, self.kernels,
-                                           self.mesh_sharding, name="mlp")(feed_forward, coreset_top_p)
-        return hidden + feed_forward, state, distinct
+        feed_forward = RMSNorm(config, self.dtype, name="post_attention_layernorm")(hidden)
+        feed_forward = SparseMoE(config, self.dtype, self.kernels, self.mesh_sharding, name="mlp")(
+            feed_forward, mode, coreset_top_p)
+        return hidden + feed_forward, state
 
 
 class LayerGroup(nn.Module):
@@ -81,34 +92,51 @@ class LayerGroup(nn.Module):
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0
-    coreset: bool = False
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, coreset_top_p):
+    def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, mode: PassMode, coreset_top_p):
         """carry: (hidden [batch, tokens, hidden_size], the state of every layer, stacked over groups);
-        group: this group's index. returns (the carry after the group, distinct experts [slots, batch])."""
+        group: this group's index. returns (the carry after the group, None)."""
         hidden, layers = carry
-        layers, distinct = dict(layers), []
+        layers = dict(layers)
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
-            layer = DecoderLayer(self.config, layer_type, self.dtype, self.num_causal, self.coreset, self.kernels,
-                                 self.mesh_sharding, name=name)
-            hidden, layers[name], layer_distinct = layer(hidden, layers[name], group, rows, coreset_top_p)
-            distinct.append(layer_distinct)
-        return (hidden, layers), jnp.stack(distinct)
+            layer = DecoderLayer(self.config, layer_type, self.dtype, self.kernels, self.mesh_sharding, name=name)
+            hidden, layers[name] = layer(hidden, layers[name], group, rows, mode, coreset_top_p)
+        return (hidden, layers), None
+
+
+class Embedding(nn.Module):
+    """Token embedding: ids int [batch, tokens] -> [batch, tokens, hidden] (its table is the tied LM
+    head when `config.tie_word_embeddings`)."""
+
+    config: CloverConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.embedding = table_param(self, self.config, "embedding")
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def table(self) -> jax.Array:
+        return self.embedding
 
 
 class CloverTransformer(nn.Module):
     """kernels: which implementation runs attention, the GDN rule and the routed experts
-    (`clover_jax.core.kernels.choose_kernels`); mesh_sharding: the mesh and sharding rules, or None on one device."""
+    (`clover_jax.core.kernels.choose_kernels`); mesh_sharding: the mesh and sharding rules, or None on
+    one device; layer_loop: "scan" or "unrolled" (`layer_loop_for`)."""
+
+    TABLE_SCOPE: ClassVar = (False, ())  # its rows in the parameter table: the top rows
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
+    layer_loop: str = "scan"
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
@@ -119,41 +147,56 @@ class CloverTransformer(nn.Module):
         num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
         are computed (a long prefill needs none: pass `tokens`); coreset: route block rows
         within their coreset with `coreset_top_p`; commit: None (every sequence appends its causal
-        rows) or bool [batch], which sequences do (`clover_jax.core.state.rows_for`).
+        rows) or bool [batch], which sequences do (`clover_jax.core.state.rows_for`). Applied with
+        the "intermediates" collection mutable, the output's `distinct_experts` holds each layer's
+        distinct experts [layers, batch]; otherwise it is None.
         """
         config = self.config
         num_tokens = input_ids.shape[1]
         num_causal = num_tokens if num_causal is None else num_causal
         rows = rows_for(state, num_tokens, num_causal, commit)
-        embed = nn.Embed(config.vocab_size, config.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
-                         embedding_init=default_init, name="embed_tokens")
-        hidden = constrain_batch(embed(input_ids), self.mesh_sharding)
-        group_args = (config, self.dtype, num_causal, coreset, self.kernels, self.mesh_sharding)
-        if self.kernels.layer_loop == "unrolled":
+        embedding = Embedding(config, self.dtype, name="embed_tokens")
+        hidden = constrain_batch(embedding(input_ids), self.mesh_sharding)
+        group_args = (config, self.dtype, self.kernels, self.mesh_sharding)
+        mode = PassMode(num_causal, coreset)
+        collecting = self.is_mutable_collection("intermediates")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop={self.layer_loop!r} is not one of {LAYER_LOOPS}")
+        if self.layer_loop == "unrolled":
             # params["groups"]: one tree per group, each a separate set of arrays (see the module docstring).
-            carry, distinct = (hidden, state.layers), []
+            carry, sown = (hidden, state.layers), []
             groups = self.get_variable("params", "groups")
             if not isinstance(groups, tuple):  # stacked parameters still run, through sliced copies
                 groups = unstack_groups({"groups": groups})["groups"]
             for group, group_params in enumerate(groups):
-                carry, group_distinct = LayerGroup(*group_args, parent=None).apply(
-                    {"params": group_params}, carry, group, rows, coreset_top_p)
-                distinct.append(group_distinct)
-            (hidden, layers), distinct = carry, jnp.stack(distinct)
+                (carry, _), variables = LayerGroup(*group_args, parent=None).apply(
+                    {"params": group_params}, carry, group, rows, mode, coreset_top_p,
+                    mutable=["intermediates"] if collecting else [])
+                sown.append(variables.get("intermediates", {}))
+            hidden, layers = carry
+            sown = jax.tree_util.tree_map(lambda *per_group: jnp.stack(per_group), *sown) if collecting else None
         else:
-            groups = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast), length=config.num_groups)
-            (hidden, layers), distinct = groups(*group_args, name="groups")(
-                (hidden, state.layers), jnp.arange(config.num_groups), rows, coreset_top_p)
-        hidden = RMSNorm(config.rms_norm_eps, self.dtype, name="norm")(hidden[:, logits_from:])
-        if config.tie_word_embeddings:
-            head = embed.embedding
-        else:
-            head = self.param("lm_head", default_init, (config.vocab_size, config.hidden_size), self.dtype)
+            groups = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_groups)
+            (hidden, layers), _ = groups(*group_args, name="groups")(
+                (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
+            sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None
+        hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])
+        head = embedding.table() if config.tie_word_embeddings else table_param(self, config, "lm_head")
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
         appended = num_causal if rows.committed is None else rows.committed
         new_state = ModelState(length=rows.length + appended, start=state.start, layers=layers)
-        return PassOutput(logits, new_state, distinct.reshape(-1, input_ids.shape[0]))
+        distinct = None if sown is None else self.distinct_by_layer(sown, input_ids.shape[0])
+        return PassOutput(logits, new_state, distinct)
+
+    def distinct_by_layer(self, sown: dict, batch: int) -> jax.Array:
+        """int32 [layers, batch] from the sown {layer_k: {mlp: {distinct_experts: ([groups, batch],)}}}
+        of the groups (zeros for a pass without block rows, where nothing was sown)."""
+        slots = [sown.get(slot_name(slot), {}).get("mlp", {}).get("distinct_experts")
+                 for slot in range(len(self.config.group_pattern))]
+        per_slot = [jnp.zeros((self.config.num_groups, batch), jnp.int32) if value is None else value[0]
+                    for value in slots]
+        return jnp.stack(per_slot, axis=1).reshape(-1, batch)  # layer g * slots + s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +212,11 @@ class TransformerPasses(ModelPasses):
         return self.module.config
 
     def run(self, params: Params, input_ids: jax.Array, state: ModelState, *, num_causal: int, logits_from: int,
-            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None) -> PassOutput:
-        return self.module.apply({"params": params}, input_ids, state, num_causal=num_causal,
-                                 logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p, commit=commit)
+            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None,
+            distinct_experts: bool = False) -> PassOutput:
+        run = functools.partial(self.module.apply, {"params": params}, input_ids, state, num_causal=num_causal,
+                                logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p, commit=commit)
+        return run(mutable=["intermediates"])[0] if distinct_experts else run()
 
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:
         state = empty_state(self.module.config, batch, capacity, self.module.dtype, start)
@@ -181,7 +226,7 @@ class TransformerPasses(ModelPasses):
         return rollback.recording(state, self.module.config, rows)
 
     def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
-        return rollback.rolled_back(state, keep, rows)
+        return rollback.rolled_back(state, keep, rows, self.module.kernels)
 
 
 def unstack_groups(params: Params) -> Params:

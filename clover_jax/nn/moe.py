@@ -18,6 +18,8 @@ values where an all-to-all would move `rows × top_k × hidden` twice.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -26,8 +28,10 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
-from clover_jax.core.kernels import KernelChoice
-from clover_jax.nn.layers import Linear, default_init, weight_param
+from clover_jax.core.kernels import ExpertRule, KernelChoice
+from clover_jax.core.passes import PassMode
+from clover_jax.core.quantization import QuantizedWeight
+from clover_jax.nn.layers import Linear, table_param
 from clover_jax.parallel.sharding import MeshSharding
 
 
@@ -37,14 +41,15 @@ def route_top_k(probabilities: jax.Array, top_k: int) -> tuple[jax.Array, jax.Ar
     return expert_ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def expert_mlp(kernels: KernelChoice, *args) -> jax.Array:
-    """The routed experts with the implementation `kernels.moe` names (arguments of `routed_expert_mlp`)."""
-    if kernels.moe == "pallas":
-        return grouped_expert_mlp(*args, kernels.platform)
+def expert_mlp(rule: ExpertRule, *args) -> jax.Array:
+    """The routed experts as the resolved rule (`KernelChoice.expert_rule`) says (arguments of
+    `routed_expert_mlp`)."""
+    if rule.kernel == "grouped":
+        return grouped_expert_mlp(*args, platform=rule.platform, kernel=rule.grouped_kernel, interpret=rule.interpret)
     return routed_expert_mlp(*args)
 
 
-def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
+def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
                         expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """`expert_mlp` inside `shard_map` on the mesh_sharding's mesh (same arguments): each device runs the
     pairs routed to its own experts (the experts split over the expert axis, when it has more
@@ -55,11 +60,11 @@ def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, toke
 
     def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
         if expert_axis is None:
-            return expert_mlp(kernels, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+            return expert_mlp(rule, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
         num_local = gate_up_proj.shape[0]
         local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
         local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
-        partial = expert_mlp(kernels, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
+        partial = expert_mlp(rule, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
         return jax.lax.psum(partial, expert_axis)
 
     # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
@@ -69,60 +74,63 @@ def expert_parallel_mlp(kernels: KernelChoice, mesh_sharding: MeshSharding, toke
 
 
 class SharedExpert(nn.Module):
-    intermediate_size: int
+    config: CloverConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = x.shape[-1]
-        gate = Linear(self.intermediate_size, self.dtype, name="gate_proj")(x)
-        up = Linear(self.intermediate_size, self.dtype, name="up_proj")(x)
-        return Linear(hidden, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+        gate = Linear(self.config, self.dtype, name="gate_proj")(x)
+        up = Linear(self.config, self.dtype, name="up_proj")(x)
+        return Linear(self.config, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):
+    TABLE_SCOPE: ClassVar = (True, ("mlp",))  # its rows in the parameter table
+
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
-    num_causal: int = 0   # leading rows routed plainly; the rest are a block
-    coreset: bool = False  # route the block rows within their coreset
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, coreset_top_p: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
-        """x: [batch, tokens, hidden] -> ([batch, tokens, hidden], distinct experts of the block rows, int32 [batch])."""
+    def __call__(self, x: jax.Array, mode: PassMode, coreset_top_p: jax.Array | float = 1.0) -> jax.Array:
+        """x: [batch, tokens, hidden] -> [batch, tokens, hidden]. mode: the leading causal rows route
+        plainly, the block rows within their coreset when `mode.coreset`. When the "intermediates"
+        collection is asked for, the distinct experts of the block rows (int32 [batch]) are sown
+        there as "distinct_experts"."""
         config = self.config
         batch, num_tokens, hidden = x.shape
-        top_k, causal = config.num_experts_per_tok, self.num_causal
+        top_k, causal = config.num_experts_per_tok, mode.num_causal
         x = x.astype(self.dtype)
 
-        router = self.param("gate", default_init, (config.num_experts, hidden), self.dtype)
+        router = table_param(self, config, "gate")
         router_logits = jnp.einsum("bth,eh->bte", x, router, preferred_element_type=jnp.float32)
         probabilities = jax.nn.softmax(router_logits, axis=-1)
         expert_ids, expert_weights = route_top_k(probabilities, top_k)
-        distinct = jnp.zeros((batch,), jnp.int32)
         if num_tokens > causal:
             block_probabilities = probabilities[:, causal:]
-            if self.coreset:
+            if mode.coreset:
                 allowed = coreset_mask(block_probabilities, top_k, coreset_top_p)
                 block_ids, block_weights = route_within(block_probabilities, allowed, top_k)
                 expert_ids = expert_ids.at[:, causal:].set(block_ids)
                 expert_weights = expert_weights.at[:, causal:].set(block_weights)
-            distinct = distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts)
+            if self.is_mutable_collection("intermediates"):
+                self.sow("intermediates", "distinct_experts",
+                         distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts))
 
-        gate_up_proj = weight_param(self, "experts_gate_up_proj",
-                                    (config.num_experts, 2 * config.moe_intermediate_size, hidden), self.dtype)
-        down_proj = weight_param(self, "experts_down_proj",
-                                 (config.num_experts, hidden, config.moe_intermediate_size), self.dtype)
+        gate_up_proj = table_param(self, config, "experts_gate_up_proj")
+        down_proj = table_param(self, config, "experts_down_proj")
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
-        # On a mesh, a Pallas kernel must run inside shard_map (XLA cannot partition a custom call).
-        if self.mesh_sharding is not None and (self.mesh_sharding.axis_size(self.mesh_sharding.rules.experts) > 1 or self.kernels.moe == "pallas"):
-            routed = expert_parallel_mlp(self.kernels, self.mesh_sharding, tokens, *pairs, gate_up_proj, down_proj)
+        mesh = self.mesh_sharding
+        rule = self.kernels.expert_rule(isinstance(gate_up_proj, QuantizedWeight),
+                                        1 if mesh is None else mesh.axis_size(mesh.rules.experts), mesh is not None)
+        if rule.per_device:
+            routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)
         else:
-            routed = expert_mlp(self.kernels, tokens, *pairs, gate_up_proj, down_proj)
+            routed = expert_mlp(rule, tokens, *pairs, gate_up_proj, down_proj)
 
-        shared = SharedExpert(config.shared_expert_intermediate_size, self.dtype, name="shared_expert")(tokens)
-        shared_gate = Linear(1, self.dtype, name="shared_expert_gate")(tokens)
+        shared = SharedExpert(config, self.dtype, name="shared_expert")(tokens)
+        shared_gate = Linear(config, self.dtype, name="shared_expert_gate")(tokens)
         out = routed + jax.nn.sigmoid(shared_gate) * shared
-        return out.reshape(batch, num_tokens, hidden), distinct
+        return out.reshape(batch, num_tokens, hidden)

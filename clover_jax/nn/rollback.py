@@ -54,17 +54,18 @@ def recording(state: ModelState, config: CloverConfig, rows: int) -> ModelState:
     return state._replace(layers=layers)
 
 
-def rolled_back(state: ModelState, keep: jax.Array, rows: int) -> ModelState:
+def rolled_back(state: ModelState, keep: jax.Array, rows: int, kernels: KernelChoice) -> ModelState:
     """The state after a recording pass of `rows` causal rows, restored per sequence to its first
-    `keep` rows (int [batch], each in 0..rows). `length` comes back per sequence (int32 [batch])."""
+    `keep` rows (int [batch], each in 0..rows). `length` comes back per sequence (int32 [batch]).
+    kernels: the model's choice, whose GDN rule chunked the recording pass: the rerun chunks alike."""
     keep = jnp.asarray(keep, jnp.int32)
-    layers = {name: _restored(layer.record, keep) if isinstance(layer, RecordingGDN) else layer
+    layers = {name: _restored(layer.record, keep, kernels) if isinstance(layer, RecordingGDN) else layer
               for name, layer in state.layers.items()}
     length = jnp.broadcast_to(state.length, keep.shape) - rows + keep
     return ModelState(length=length, start=state.start, layers=layers)
 
 
-def _restored(record: GDNRecord, keep: jax.Array) -> GDNState:
+def _restored(record: GDNRecord, keep: jax.Array, kernels: KernelChoice) -> GDNState:
     """One GDN slot (all groups) at `keep` rows of its recording pass."""
     rows = record.key.shape[2]
     conv_rows = record.window.shape[2] - rows
@@ -72,7 +73,7 @@ def _restored(record: GDNRecord, keep: jax.Array) -> GDNState:
     conv = jnp.take_along_axis(record.window, index[None, :, :, None], axis=2)     # [groups, b, K-1, conv_dim]
     live = (jnp.arange(rows)[None, :] < keep[:, None])[None, :, :, None]           # [1, b, rows, 1]
     decay, beta = jnp.where(live, record.decay, 0.0), jnp.where(live, record.beta, 0.0)
-    chunk = KernelChoice().gdn_chunk_for(rows)  # as the recording pass chunked its rows
+    chunk = kernels.gdn_rule(rows).chunk_size  # as the recording pass chunked its rows
 
     def final_state(key, value, decay, beta, initial):
         return chunked_gated_delta_rule(key, key, value, decay, beta, initial, chunk_size=chunk)[1]

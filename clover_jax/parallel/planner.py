@@ -1,13 +1,20 @@
-"""Will it fit? `plan(path_or_config, devices)`: bytes per device for each weight format and the
-mesh the devices allow, plus the state for a context and batch, and a recommendation.
+"""Will it fit? The arithmetic half of `clover_jax.plan`: bytes per device for each weight format
+on the mesh a target allows, plus the state for a context and batch.
 
 Weight bytes are exact: every parameter's shape (`param_layout`) times its stored width
 (bfloat16 2 bytes; int8 1 byte + a bfloat16 scale per output row; int4 half a byte + a bfloat16
 scale per group), divided by the devices its sharding spreads it over (`MeshSharding`, the same
-rules the loader applies). State and activations come from `clover_jax.parallel.memory.estimate_memory`
-and are split over the data axis.
+rules the loader applies). State and activations come from `clover_jax.parallel.memory.estimate_memory`,
+split as the mesh splits the axes they grow with. The compiler's own figures, when asked for, are added by
+`clover_jax.api.plan` (which compiles the decoding loops for the target) and then decide `fits`.
 
-Devices are jax devices or names from `DEVICE_MEMORY` ("TPU v6e", "TPU v5e", "H200", ...).
+The mesh for inference: routed experts split over as many devices as divide them (expert
+parallelism), the rest of the devices over the batch; on that same expert axis the dense weights
+(embedding, LM head, attention and GDN heads, shared expert) are split by their heads or rows
+(`inference_rules`), so that no device holds a whole copy of what is not an expert.
+
+Targets are names from `clover_jax.parallel.targets` ("v6e-1", "v5e-8", "H200", ...) or, as
+before, a list of jax devices or device-kind names from `DEVICE_MEMORY` ("TPU v6e", "H200").
 """
 
 from __future__ import annotations
@@ -15,17 +22,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.parallel.memory import estimate_memory
 from clover_jax.core.param_layout import flat_layout
 from clover_jax.core.quantization import QuantSpec
+from clover_jax.parallel.memory import estimate_memory
 from clover_jax.parallel.sharding import MESH_AXES, MeshSharding, ShardingRules, param_logical_axes
+from clover_jax.parallel.targets import Target, target as named_target
 
 GIB = 2**30
 # High-bandwidth memory per chip, by device kind (jax's `device_kind` or a short name).
@@ -43,17 +51,33 @@ HEADROOM = 0.9  # leave a tenth of each device to the runtime and fragmentation
 
 @dataclasses.dataclass(frozen=True)
 class Option:
+    """One weight format on one mesh. Bytes are per device. `compiled` is None unless the plan
+    compiled the decoding loops: then {"diffusion", "autoregressive", "self_speculative"} →
+    `clover_jax.api.aot.ProgramMemory` (the compiler's bytes, or its error), and `fits` follows it.
+    Load it with `CloverModel.from_pretrained(path, mesh=make_mesh(**option.mesh), rules=option.rules,
+    quantize=option.quantize)`."""
+
     weights: str             # "bfloat16", "int8 experts", ...
     mesh: dict               # {"data": 1, "expert": n, "tensor": 1}
     weight_bytes: int        # per device
-    state_bytes: int         # per device: K/V cache + GDN state + activations
-    device_bytes: int        # memory of one device
+    state_bytes: int         # per device: K/V cache + GDN state + activations (arithmetic estimate)
+    device_bytes: int        # memory of one device a program may use
     fits: bool
     quantize: QuantSpec | None = None  # what to pass as `CloverModel.from_pretrained(quantize=...)`
+    rules: ShardingRules = ShardingRules()
+    compiled: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
+        """The arithmetic estimate of one device's bytes."""
         return self.weight_bytes + self.state_bytes
+
+    @property
+    def compiled_bytes(self) -> int | None:
+        """The compiler's bytes for the largest of the compiled loops, or None (not compiled, or refused)."""
+        if not self.compiled or any(memory.error for memory in self.compiled.values()):
+            return None
+        return max(memory.total_bytes for memory in self.compiled.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +85,33 @@ class Plan:
     options: list[Option]
     recommendation: Option | None
     reason: str
+    target: str = ""
 
     def __str__(self) -> str:
-        lines = [f"{'weights':<22} {'mesh (d,e,t)':<13} {'weights/dev':>12} {'state/dev':>10} {'fits':>5}"]
+        compiled = any(option.compiled is not None for option in self.options)
+        header = f"{'weights':<28} {'mesh (d,e,t)':<13} {'weights/dev':>12} {'state/dev':>10} {'estimate':>10}"
+        lines = [header + (f" {'compiled':>10}" if compiled else "") + f" {'fits':>5}"]
         for option in self.options:
             mesh = ",".join(str(option.mesh[axis]) for axis in MESH_AXES)
-            lines.append(f"{option.weights:<22} {mesh:<13} {option.weight_bytes / GIB:>10.2f}GiB "
-                         f"{option.state_bytes / GIB:>8.2f}GiB {'yes' if option.fits else 'no':>5}")
+            line = (f"{option.weights:<28} {mesh:<13} {option.weight_bytes / GIB:>9.2f}GiB "
+                    f"{option.state_bytes / GIB:>7.2f}GiB {option.total_bytes / GIB:>7.2f}GiB")
+            if compiled:
+                line += f" {_compiled_cell(option):>10}"
+            lines.append(line + f" {'yes' if option.fits else 'no':>5}")
+            errors: dict[str, list[str]] = {}
+            for mode, memory in (option.compiled or {}).items():
+                if memory.error:
+                    errors.setdefault(memory.error, []).append(mode)
+            lines += [f"    {', '.join(modes)}: {error}" for error, modes in errors.items()]
         return "\n".join(lines + [self.reason])
+
+
+def _compiled_cell(option: Option) -> str:
+    if option.compiled is None:
+        return "-"
+    if option.compiled_bytes is None:
+        return "refused"
+    return f"{option.compiled_bytes / GIB:.2f}GiB"
 
 
 def describe_format(dtype: str, spec: QuantSpec | None) -> str:
@@ -83,8 +126,11 @@ def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | 
     itemsize = np.dtype(dtype).itemsize
     total = 0
     for path, shape in flat_layout(config).items():
-        stored = spec.stored_bytes(shape) if spec is not None and spec.applies_to(path) else math.prod(shape) * itemsize
-        spec_axes = mesh_sharding.spec(param_logical_axes(path))
+        quantized = spec is not None and spec.applies_to(path)
+        stored = spec.stored_bytes(shape) if quantized else math.prod(shape) * itemsize
+        spec_axes = tuple(mesh_sharding.spec(param_logical_axes(path))) + (None,) * len(shape)
+        # a quantised weight's input axis is never split (`quantization.quantized_shardings`)
+        spec_axes = spec_axes[:len(shape) - 1] if quantized else spec_axes
         split = math.prod(mesh_sharding.axis_size(axis) for axis in spec_axes if axis is not None)
         total += stored // split
     return total
@@ -94,6 +140,28 @@ def expert_mesh(config: CloverConfig, num_devices: int) -> dict:
     """The default mesh for inference: experts over as many devices as divide them, the rest data."""
     expert = max(d for d in range(1, num_devices + 1) if num_devices % d == 0 and config.num_experts % d == 0)
     return {"data": num_devices // expert, "expert": expert, "tensor": 1}
+
+
+def inference_rules(mesh_shape: dict) -> ShardingRules:
+    """Sharding rules for an inference mesh: on a mesh without a tensor axis, the dense weights'
+    heads, rows and vocabulary are split over the expert axis (XLA gathers them where a layer
+    needs them whole), so that no device keeps a full copy of what is not an expert."""
+    if mesh_shape["tensor"] > 1 or mesh_shape["expert"] == 1:
+        return ShardingRules()
+    return ShardingRules(q_heads="expert", kv_heads="expert", value_heads="expert", mlp="expert", vocab="expert")
+
+
+def resolve_target(target: "str | Target | Sequence | None") -> tuple[Target | None, int, int, str]:
+    """(named target or None, device count, usable bytes per device, description)."""
+    if isinstance(target, str):
+        target = named_target(target)
+    if isinstance(target, Target):
+        return target, target.chips, target.usable_bytes, target.describe()
+    devices = list(jax.devices() if target is None else target)
+    if not devices:
+        raise ValueError("plan() needs a target name or at least one device")
+    count, device_bytes, kind = _device_memory(devices)
+    return None, count, device_bytes, f"{count} × {kind} ({device_bytes / GIB:.0f} GiB)"
 
 
 def _device_memory(devices) -> tuple[int, int, str]:
@@ -113,35 +181,44 @@ def _device_memory(devices) -> tuple[int, int, str]:
     raise ValueError(f"unknown memory size of device kind {kind!r}; name one of {sorted(DEVICE_MEMORY)}")
 
 
-def plan(path_or_config: "str | os.PathLike | CloverConfig", devices: Sequence | None = None,
-         context_length: int = 32768, batch: int = 1, block_size: int = 32, chunk_size: int = 2048) -> Plan:
-    """Bytes per device of every weight format on the mesh `devices` allow, and the best that fits."""
-    config = path_or_config if isinstance(path_or_config, CloverConfig) else CloverConfig.from_pretrained(path_or_config)
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("plan() needs at least one device")
-    count, device_bytes, kind = _device_memory(devices)
+def estimate(config: CloverConfig, target: "str | Target | Sequence | None" = None, context_length: int = 32768,
+             batch: int = 1, block_size: int = 32, chunk_size: int = 2048) -> Plan:
+    """Bytes per device of every weight format on the mesh the target allows, and the best that fits
+    by this arithmetic (`clover_jax.plan` adds the compiler's figures on request)."""
+    if context_length < 1 or batch < 1:
+        raise ValueError(f"context_length and batch must be >= 1, got {context_length} and {batch}")
+    _, count, device_bytes, where = resolve_target(target)
     mesh_shape = expert_mesh(config, count)
-    mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES), config, ShardingRules())
-    state = estimate_memory(config, batch, context_length, "bfloat16", chunk_size, block_size)
-    data = mesh_shape["data"]
-    state_bytes = -(-(state.kv_cache + state.gdn_state + state.activations) // min(data, batch))
+    rules = inference_rules(mesh_shape)
+    mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES), config, rules)
+    state = estimate_memory(config, batch, context_length, "bfloat16", chunk_size, block_size, mesh_sharding)
+    state_bytes = state.kv_cache + state.gdn_state + state.activations
     options = []
+    layout = flat_layout(config)
     for dtype, spec in FORMATS:
-        if spec is not None and spec.bits == 4 and any(
-                shape[-1] % spec.group_size for path, shape in flat_layout(config).items() if spec.applies_to(path)):
-            continue  # this config's input dimensions do not split into the int4 groups
+        if spec is not None:
+            try:
+                spec = spec.fitted(layout)
+            except ValueError:
+                continue  # this config's input widths do not split into int4 groups
         weights = weight_bytes_per_device(config, dtype, spec, mesh_sharding)
         options.append(Option(describe_format(dtype, spec), dict(mesh_shape), weights, state_bytes, device_bytes,
-                              weights + state_bytes <= HEADROOM * device_bytes, spec))
+                              weights + state_bytes <= HEADROOM * device_bytes, spec, rules))
+    return decide(options, where, context_length, batch)
+
+
+def decide(options: list[Option], where: str, context_length: int, batch: int) -> Plan:
+    """The plan of these options: the first that fits is recommended, with the reason in words."""
     chosen = next((option for option in options if option.fits), None)
-    where = f"{count} × {kind} ({device_bytes / GIB:.0f} GiB)"
+    by = lambda option: "by the compiler" if option.compiled is not None else "estimated"
     if chosen is None:
         smallest = min(options, key=lambda option: option.total_bytes)
         reason = (f"nothing fits on {where}: the smallest, {smallest.weights}, needs "
                   f"{smallest.weight_bytes / GIB:.1f} GiB weights + {smallest.state_bytes / GIB:.1f} GiB state per device; "
                   "use more devices, a shorter context or a smaller batch")
     else:
+        needed = chosen.compiled_bytes if chosen.compiled is not None else chosen.total_bytes
         reason = (f"{chosen.weights} on {where}: {chosen.weight_bytes / GIB:.1f} GiB weights + "
-                  f"{chosen.state_bytes / GIB:.1f} GiB state per device (context {context_length}, batch {batch})")
-    return Plan(options, chosen, reason)
+                  f"{chosen.state_bytes / GIB:.1f} GiB state per device (context {context_length}, batch {batch}); "
+                  f"{needed / GIB:.1f} GiB of {chosen.device_bytes / GIB:.1f} GiB per device {by(chosen)}")
+    return Plan(options, chosen, reason, where)

@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import find_param
-from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.param_layout import flat_layout, nested
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
 from clover_jax.core.state import GDNState, KVCache, ModelState
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,24 @@ class MeshSharding:
                                         recurrent=self.sharding(("layers", "batch", "value_heads", None, None), batch))
         return ModelState(length=self.sharding(()), start=self.sharding(("batch",), batch), layers=layers)
 
+    def abstract_params(self, dtype: Any, quantize: "QuantSpec | None" = None) -> dict:
+        """The parameter pytree as `jax.ShapeDtypeStruct`s in `dtype`, each with its sharding, and
+        the weights `quantize` applies to as `QuantizedWeight`s of values and scales: what
+        compiling a program for this mesh needs, without allocating anything."""
+        layout = flat_layout(self.config)
+        spec = None if quantize is None else quantize.fitted(layout)
+        leaves = {}
+        for path, shape in layout.items():
+            sharding = self.param_sharding(path)
+            if spec is not None and spec.applies_to(path):
+                (values_shape, scales_shape), (values_dtype, scales_dtype) = spec.stored_shapes(shape), spec.stored_dtypes()
+                values_sharding, scales_sharding = quantized_shardings(sharding, len(shape))
+                leaves[path] = QuantizedWeight(jax.ShapeDtypeStruct(values_shape, values_dtype, sharding=values_sharding),
+                                               jax.ShapeDtypeStruct(scales_shape, scales_dtype, sharding=scales_sharding))
+            else:
+                leaves[path] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return nested(leaves)
+
     def batch_sharding(self, batch: int, rank: int) -> NamedSharding:
         """Sharding of a [batch, ...] input of `rank` dimensions: batch over the data axis."""
         return self.sharding(("batch",) + (None,) * (rank - 1), batch)
@@ -179,12 +198,3 @@ def constrain_batch(array: Any, mesh_sharding: MeshSharding | None) -> Any:
         return array
     return jax.lax.with_sharding_constraint(array, mesh_sharding.batch_sharding(array.shape[0], array.ndim))
 
-
-def __getattr__(name: str):
-    if name == "MeshPlan":  # its name before "plan" came to mean only `clover_jax.plan`
-        import warnings
-
-        warnings.warn("clover_jax.parallel.sharding.MeshPlan is now MeshSharding; the old name will be removed in the "
-                      "next release", DeprecationWarning, stacklevel=2)
-        return MeshSharding
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,8 @@ from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, n
 from decoding.engine.requests import (EngineEvent, EngineRequest, LaneKey, Listener, PreparedRequest, RequestStats,
                                       prepare, rows_needed)
 from decoding.engine.slots import chunk_plan, prefill_chunk
-from decoding.generation import model_defaults, token_ids_of
+from decoding.generation import model_defaults
+from decoding.layouts import token_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class Engine:
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
         model.check_memory(max_running, max_context, self.defaults.block_size)
-        ids = token_ids_of(model, self.defaults)
+        ids = token_ids_of(self.defaults)
         self.context = ModelContext(
             model.passes, model.run_params, model.config.vocab_size, ids, frozenset(self.defaults.eos_token_id),
             model.config.moe_block_coreset_enabled, np.float32(model.config.moe_block_coreset_top_p), max_running)

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from decoding.controls import Controls
-from decoding.generation import MODES, check_prompts, controls_of, prompt_thinking, resolve_config
+from decoding.generation import check_prompts, resolve_config
+from decoding.layouts import MODES, controls_of, prompt_thinking
 from decoding.generation_config import GenerationConfig
 from decoding.schedules import BY_NAME, resolve_params
 

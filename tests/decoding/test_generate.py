@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import decoding.generation as generation_module
+import decoding.layouts as layouts_module  # where generate finds the compiled loops
 from decoding import GenerationConfig, generate
 from decoding.block_loop import run_block_decoder
 from tests.conftest import MASK_ID
@@ -109,7 +109,7 @@ def test_compilation_is_reused_within_buckets(peaked, controls_config):
 ])
 def test_bad_requests_are_refused_before_compute(peaked, controls_config, monkeypatch, prompts, overrides, message):
     calls = []
-    monkeypatch.setattr(generation_module, "run_block_decoder", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts_module, "run_block_decoder", lambda *args: calls.append(args))
     with pytest.raises(ValueError, match=message):
         generate(peaked, prompts, controls_config, **overrides)
     assert calls == []

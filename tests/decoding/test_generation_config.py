@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-import decoding.generation as generation_module
+import decoding.layouts as layouts_module  # where generate finds the compiled loops
 from clover_jax.core.config import ConfigError
 from decoding import GenerationConfig, generate
 from decoding.generation_config import MAX_BLOCK_COUNT, MAX_INT32, json_reader
@@ -145,7 +145,7 @@ def test_values_of_the_wrong_python_type_are_value_errors_not_type_errors(field,
 ])
 def test_generate_refuses_them_before_compute(peaked, controls_config, monkeypatch, overrides, message):
     calls = []
-    monkeypatch.setattr(generation_module, "run_block_decoder", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts_module, "run_block_decoder", lambda *args: calls.append(args))
     with pytest.raises(ValueError, match=message):
         generate(peaked, [[1, 2]], controls_config, **overrides)
     assert calls == []

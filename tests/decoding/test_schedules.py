@@ -388,12 +388,12 @@ def test_defaults_come_from_the_spec_table_and_the_generation_config():
 
 
 def test_bad_schedule_params_are_refused_before_the_decoder_runs(peaked, controls_config, monkeypatch):
-    import decoding.generation
+    import decoding.layouts
 
     def never(*args, **kwargs):
         raise AssertionError("the decoder ran")
 
-    monkeypatch.setattr(decoding.generation, "run_block_decoder", never)
+    monkeypatch.setattr(decoding.layouts, "run_block_decoder", never)
     with pytest.raises(ValueError, match="'dream': eps must be in"):
         generate(peaked, [[20, 21, 22]], controls_config, schedule="dream", schedule_params={"eps": 0.0})
 

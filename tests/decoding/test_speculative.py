@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import decoding.generation as generation_module
+import decoding.layouts as layouts_module  # where generate finds the compiled loops
 from decoding import GenerationConfig, generate
 from decoding.speculative import run_self_speculative
 from tests.decoding.conftest import EOS, THINK_START
@@ -116,7 +116,7 @@ def test_compilation_is_reused_within_buckets(peaked, controls_config):
 ])
 def test_bad_requests_are_refused_before_compute(peaked, controls_config, monkeypatch, overrides, message):
     calls = []
-    monkeypatch.setattr(generation_module, "run_self_speculative", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts_module, "run_self_speculative", lambda *args: calls.append(args))
     options = {key: overrides.pop(key) for key in ("return_history", "on_step") if key in overrides}
     config = controls_config.replace(**overrides)
     with pytest.raises(ValueError, match=message):
@@ -128,7 +128,7 @@ def test_bad_requests_are_refused_before_compute(peaked, controls_config, monkey
 
 def test_a_model_without_a_mask_token_is_refused_before_compute(clover_model, monkeypatch):
     calls = []
-    monkeypatch.setattr(generation_module, "run_self_speculative", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts_module, "run_self_speculative", lambda *args: calls.append(args))
     with pytest.raises(ValueError, match="self-speculative decoding needs mask_token_id"):
         generate(clover_model, [[1, 2, 3]], max_new_tokens=4, mode="self_speculative")
     assert calls == []

@@ -116,7 +116,7 @@ def test_oracle_matches_per_row_numpy():
 
 
 def test_the_kernel_choice_speaks_the_platform_vocabulary_and_takes_gpu_lowering_names():
-    from pallas_kernels.grouped_matmul_platform import kernel_for
+    from pallas_kernels.platforms import grouped_matmul_kernel as kernel_for
 
     assert [kernel_for(p, "auto", False) for p in ("cpu", "gpu", "cuda", "rocm", "tpu")] == \
         ["xla", "pallas", "pallas", "pallas", "megablox"]
@@ -186,7 +186,7 @@ def test_quantised_rhs_without_scales_or_with_mismatched_scales_is_refused():
         grouped_matmul(lhs[:, :32], values, sizes, rhs_scales=scales, interpret=True)
     with pytest.raises(ValueError, match="megablox.*float weights"):
         grouped_matmul_for_platform("tpu", lhs, values, sizes, rhs_scales=scales, kernel="megablox")
-    from pallas_kernels.grouped_matmul_platform import kernel_for
+    from pallas_kernels.platforms import grouped_matmul_kernel as kernel_for
 
     assert kernel_for("tpu", "auto", False, quantized=True) == "pallas"  # megablox takes float weights only
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.protocol import ChatRequest, CompletionRequest, Sampling
 from decoding.engine import Engine, EngineEvent, EngineRequest, QueueFull
-from decoding.generation import prompt_thinking
+from decoding.layouts import prompt_thinking
 
 # GenerationConfig fields named in the engine's messages -> the request field a client sent
 _PARAMS = {"max_new_tokens": "max_tokens", "do_sample": "temperature", "temperature": "temperature",

@@ -153,6 +153,32 @@ def test_info_counts_every_checkpoint_tensor_and_estimates_memory(checkpoint):
     assert "active per token" in text and "bfloat16" in text
 
 
+def test_plan_prints_the_api_plan_for_a_named_target(checkpoint):
+    import clover_jax
+
+    result = run_cli("plan", checkpoint, "--target", "v5e-4", "--context-length", "4096", "--batch", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    expected = clover_jax.plan(checkpoint, "v5e-4", context_length=4096, batch=2)
+    assert [option["weights"] for option in record["options"]] == [option.weights for option in expected.options]
+    assert [option["weight_bytes"] for option in record["options"]] == [o.weight_bytes for o in expected.options]
+    assert record["options"][0]["mesh"] == {"data": 1, "expert": 4, "tensor": 1}
+    assert record["recommendation"] == 0 and record["reason"] == expected.reason
+    assert "compiled" not in record["options"][0]  # no --compile: the arithmetic alone
+    table = run_cli("plan", checkpoint, "--target", "v5e-4", "--context-length", "4096", "--batch", "2")
+    assert table.stdout.strip() == str(expected)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "v7-1"], "argument --target: unknown target 'v7-1'"),
+    (["--target", "v6e-1", "--batch", "0"], "arguments --batch and --context-length must be >= 1"),
+    ([], "the following arguments are required: --target"),
+])
+def test_plan_refuses_bad_arguments_before_reading_anything(args, message):
+    result = run_cli("plan", "/no/such/checkpoint", *args)
+    assert result.returncode == 2 and message in result.stderr and result.stdout == ""
+
+
 def test_every_generation_config_field_is_a_generate_flag():
     import dataclasses
 

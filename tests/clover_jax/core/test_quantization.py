@@ -59,7 +59,7 @@ def test_plan_bytes_equal_the_loaded_arrays(quantized, clover):
 
 
 def test_plan_recommendation_follows_the_devices(clover_checkpoint):
-    one_small = plan(clover_checkpoint, devices=["TPU v5e"], context_length=4096)
+    one_small = plan(clover_checkpoint, ["TPU v5e"], context_length=4096)
     assert one_small.recommendation.weights == "bfloat16"  # a tiny model fits anywhere
     from clover_jax import CloverConfig
 
@@ -67,9 +67,9 @@ def test_plan_recommendation_follows_the_devices(clover_checkpoint):
     config = CloverConfig.from_pretrained(clover_checkpoint).replace(
         hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_hidden_layers=40,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10)
-    on_v5e = plan(config, devices=["TPU v5e"], context_length=8192)
-    on_v6e = plan(config, devices=["TPU v6e"], context_length=8192)
-    on_eight = plan(config, devices=["TPU v5e"] * 8, context_length=8192)
+    on_v5e = plan(config, ["TPU v5e"], context_length=8192)
+    on_v6e = plan(config, ["TPU v6e"], context_length=8192)
+    on_eight = plan(config, ["TPU v5e"] * 8, context_length=8192)
     assert on_v5e.recommendation is None and "nothing fits on 1 × TPU v5e (16 GiB)" in on_v5e.reason
     assert on_v6e.recommendation.weights == "int4 experts (g128)"
     assert on_v6e.reason.startswith("int4 experts (g128) on 1 × TPU v6e (32 GiB)")

@@ -14,6 +14,7 @@ from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.nn.model import DecoderLayer
 from clover_jax.nn.moe import SparseMoE
 from clover_jax.core.state import empty_state, rows_for, slot_name
+from clover_jax.core.passes import PassMode
 from tests.conftest import token_ids
 
 TOLERANCE = 1e-4
@@ -52,8 +53,8 @@ def max_difference(ours, reference: torch.Tensor) -> float:
 def test_gdn_layer_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model)
     params = layer_params(clover_model, 1)["linear_attn"]
-    ours, _ = GatedDeltaNet(clover_model.config, num_causal=LENGTH).apply(
-        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 1))
+    ours, _ = GatedDeltaNet(clover_model.config).apply(
+        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 1), PassMode(LENGTH))
     with torch.no_grad():
         reference = hf_model.model.layers[1].linear_attn(torch.from_numpy(x))
     assert max_difference(ours, reference) <= TOLERANCE
@@ -62,8 +63,8 @@ def test_gdn_layer_matches_transformers(clover_model, hf_model):
 def test_attention_layer_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model, seed=1)
     params = layer_params(clover_model, 3)["self_attn"]
-    ours, _ = GatedAttention(clover_model.config, num_causal=LENGTH).apply(
-        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 3))
+    ours, _ = GatedAttention(clover_model.config).apply(
+        {"params": params}, jnp.asarray(x), *fresh_layer_state(clover_model, 3), PassMode(LENGTH))
     cos_sin, mask = hf_rope_and_mask(hf_model, LENGTH)
     with torch.no_grad():
         reference, _ = hf_model.model.layers[3].self_attn(torch.from_numpy(x), cos_sin, mask)
@@ -73,7 +74,7 @@ def test_attention_layer_matches_transformers(clover_model, hf_model):
 def test_moe_block_matches_transformers(clover_model, hf_model):
     x = hidden_states(clover_model, seed=2)
     params = layer_params(clover_model, 2)["mlp"]
-    ours, _ = SparseMoE(clover_model.config, num_causal=LENGTH).apply({"params": params}, jnp.asarray(x))
+    ours = SparseMoE(clover_model.config).apply({"params": params}, jnp.asarray(x), PassMode(LENGTH))
     with torch.no_grad():
         reference = hf_model.model.layers[2].mlp(torch.from_numpy(x))
     assert max_difference(ours, reference) <= TOLERANCE
@@ -83,8 +84,9 @@ def test_moe_block_matches_transformers(clover_model, hf_model):
 def test_decoder_layer_matches_transformers(clover_model, hf_model, layer):
     config = clover_model.config
     x = hidden_states(clover_model, seed=3)
-    ours, _, _ = DecoderLayer(config, config.layer_types[layer], num_causal=LENGTH).apply(
-        {"params": layer_params(clover_model, layer)}, jnp.asarray(x), *fresh_layer_state(clover_model, layer), 1.0)
+    ours, _ = DecoderLayer(config, config.layer_types[layer]).apply(
+        {"params": layer_params(clover_model, layer)}, jnp.asarray(x), *fresh_layer_state(clover_model, layer),
+        PassMode(LENGTH), 1.0)
     cos_sin, mask = hf_rope_and_mask(hf_model, LENGTH)
     hf_layer = hf_model.model.layers[layer]
     with torch.no_grad():

@@ -10,18 +10,21 @@ import pytest
 from clover_jax import CloverModel
 from clover_jax.core import kernels
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
-from clover_jax.core.kernels import KernelChoice, choose_kernels
+from clover_jax.core.kernels import ExpertRule, GDNRule, KernelChoice, choose_kernels
 from tests.conftest import MASK_ID, token_ids
 
 
 def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
+    assert choose_kernels("auto", "cpu") == KernelChoice("online_softmax", "xla", "xla", "cpu")
+    assert choose_kernels("auto", "cuda") == KernelChoice("dot_product_attention", "pallas", "pallas", "gpu")
+    assert choose_kernels("auto", "tpu") == KernelChoice("online_softmax", "pallas", "pallas", "tpu")
+    assert choose_kernels("xla", "tpu") == KernelChoice("online_softmax", "xla", "xla", "tpu")
+    assert choose_kernels("pallas", "cpu") == KernelChoice("dot_product_attention", "pallas", "pallas", "cpu")
+    assert choose_kernels("pallas", "cpu").interpret and not choose_kernels("auto", "tpu").interpret
     # CPU runs the layer groups unrolled over separate parameter arrays; accelerators scan them.
-    assert choose_kernels("auto", "cpu") == KernelChoice("online", "xla", "xla", "cpu", "unrolled")
-    assert choose_kernels("auto", "cuda") == KernelChoice("fused", "pallas", "pallas", "gpu", "scan")
-    assert choose_kernels("auto", "tpu") == KernelChoice("online", "pallas", "pallas", "tpu", "scan")
-    assert choose_kernels("xla", "tpu") == KernelChoice("online", "xla", "xla", "tpu", "scan")
-    assert choose_kernels("pallas", "cpu") == KernelChoice("fused", "pallas", "pallas", "cpu", "unrolled")
-    assert choose_kernels("pallas", "cpu").interpret
+    from clover_jax.nn.model import layer_loop_for
+
+    assert [layer_loop_for(p) for p in ("cpu", "gpu", "tpu")] == ["unrolled", "scan", "scan"]
     with pytest.raises(ValueError, match="impl='triton' is not one of"):
         choose_kernels("triton")
 
@@ -29,9 +32,7 @@ def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
 def test_platforms_have_one_vocabulary_and_gpu_lowering_names_mean_gpu():
     from pallas_kernels import platforms
 
-    assert kernels.PLATFORMS == platforms.PLATFORMS
-    for name in ("cpu", "gpu", "tpu", "cuda", "rocm"):
-        assert kernels.platform_name(name) == platforms.platform_name(name)
+    assert kernels.PLATFORMS is platforms.PLATFORMS and kernels.platform_name is platforms.platform_name
     assert choose_kernels("auto", "rocm").platform == "gpu" and choose_kernels("auto", "gpu").platform == "gpu"
     assert KernelChoice(platform="cuda") == KernelChoice(platform="gpu")
     for unknown in (lambda: choose_kernels("auto", "metal"), lambda: KernelChoice(platform="metal"),
@@ -44,11 +45,47 @@ def test_the_attention_choice_is_named_for_what_it_selects():
     # impl="pallas" forces the Pallas kernels; attention has none and takes jax.nn.dot_product_attention
     assert choose_kernels("pallas", "tpu").attention == "dot_product_attention"
     assert choose_kernels("auto", "tpu").attention == "online_softmax"
-    # the earlier names are still accepted, and mean the same choice (equal and equally hashed: jit keys)
-    assert KernelChoice("fused") == KernelChoice("dot_product_attention")
-    assert hash(KernelChoice("online")) == hash(KernelChoice("online_softmax"))
-    with pytest.raises(ValueError, match="KernelChoice.attention='splash' is not one of"):
-        KernelChoice("splash")
+    for earlier in ("splash", "online", "fused"):  # the earlier names went with version 0.1.0
+        with pytest.raises(ValueError, match=f"KernelChoice.attention='{earlier}' is not one of"):
+            KernelChoice(earlier)
+
+
+def test_each_hot_spot_is_resolved_once_into_the_rule_that_runs():
+    cpu, tpu, gpu = choose_kernels("auto", "cpu"), choose_kernels("auto", "tpu"), choose_kernels("auto", "gpu")
+    # GDN: one row runs token by token; the XLA rule chunks by the pass's rows, the Pallas kernel by 64
+    assert cpu.gdn_rule(1) == GDNRule("recurrent", 1, True)
+    assert [cpu.gdn_rule(rows).chunk_size for rows in (2, 16, 17, 32, 33, 2048)] == [16, 16, 32, 32, 64, 64]
+    assert cpu.gdn_rule(16) == GDNRule("chunked", 16, True)
+    assert tpu.gdn_rule(16) == GDNRule("pallas", 64, False)
+    assert KernelChoice(gdn_chunk=8).gdn_rule(100) == GDNRule("chunked", 8, True)
+    assert KernelChoice("online_softmax", "pallas", "pallas", "tpu", gdn_chunk=128).gdn_rule(16).chunk_size == 128
+    # routed experts: XLA tiles on CPU; grouped matmuls elsewhere, megablox for float weights on TPU
+    assert cpu.expert_rule(False) == ExpertRule("tiled", None, "cpu", False, False)
+    assert cpu.expert_rule(False, expert_devices=8, on_mesh=True).per_device
+    assert not cpu.expert_rule(False, expert_devices=1, on_mesh=True).per_device
+    assert tpu.expert_rule(False) == ExpertRule("grouped", "megablox", "tpu", False, False)
+    assert tpu.expert_rule(True).grouped_kernel == "pallas"  # megablox takes float weights only
+    assert gpu.expert_rule(False) == ExpertRule("grouped", "pallas", "gpu", False, False)
+    assert choose_kernels("pallas", "cpu").expert_rule(False) == ExpertRule("grouped", "pallas", "cpu", True, False)
+    # a Pallas custom call on a mesh runs per device, whatever the expert axis
+    assert tpu.expert_rule(False, expert_devices=1, on_mesh=True).per_device
+
+
+def test_the_rollback_reruns_the_gdn_rule_with_the_chunk_of_the_recording_pass(monkeypatch):
+    from clover_jax.nn import rollback
+    from clover_jax.core.state import GDNRecord
+
+    chunks = []
+    monkeypatch.setattr(rollback, "chunked_gated_delta_rule",
+                        lambda *args, chunk_size: chunks.append(chunk_size) or (None, args[-1]))
+    groups, batch, rows, heads, dim, conv = 1, 1, 24, 2, 4, 3
+    record = GDNRecord(window=jnp.zeros((groups, batch, conv + rows, 8)), initial=jnp.zeros((groups, batch, heads, dim, dim)),
+                       key=jnp.zeros((groups, batch, rows, heads, dim)), value=jnp.zeros((groups, batch, rows, heads, dim)),
+                       decay=jnp.zeros((groups, batch, rows, heads)), beta=jnp.zeros((groups, batch, rows, heads)))
+    for choice, expected in ((KernelChoice(), 32), (KernelChoice(gdn_chunk=8), 8),
+                             (KernelChoice("online_softmax", "pallas", "pallas", "tpu"), 64)):
+        rollback._restored(record, jnp.asarray([5]), choice)
+        assert chunks[-1] == expected
 
 
 def test_grouped_matmul_experts_equal_the_tiled_scan_including_dropped_pairs():
@@ -66,7 +103,8 @@ def test_grouped_matmul_experts_equal_the_tiled_scan_including_dropped_pairs():
             gate_up[e, intermediate:] @ x[t])) if e < experts else np.zeros(hidden)
         for t, e in enumerate(np.asarray(ids)[:, k])]), 0) for k in range(top_k))
     np.testing.assert_allclose(expected, manual, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(grouped_expert_mlp(x, ids, weights, gate_up, down, "cpu"), expected,
+    np.testing.assert_allclose(grouped_expert_mlp(x, ids, weights, gate_up, down, platform="cpu", kernel="pallas",
+                                                  interpret=True), expected,
                                atol=1e-5, rtol=1e-5)
 
 

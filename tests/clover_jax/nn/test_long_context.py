@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from clover_jax import CloverModel
-from clover_jax.nn.chunked import causal_pass
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.nn.online_attention import array_segment, online_attention
 from clover_jax.core.state import empty_state
+from clover_jax.nn.model import TransformerPasses
 from decoding import generate
 from tests.conftest import MASK_ID, token_ids
 
@@ -67,8 +67,9 @@ def test_platform_fused_attention_equals_plain_attention_causal_and_block():
 def test_chunked_prefill_equals_one_pass(clover, length, chunk):
     ids = jnp.asarray(token_ids(2, length, MASK_ID, seed=length))
     state = clover.init_state(2, 160)
-    whole_logits, whole = causal_pass(clover.module, clover.params, ids, state, chunk_size=10**6, logits="all")
-    chunked_logits, chunked = causal_pass(clover.module, clover.params, ids, state, chunk_size=chunk, logits="all")
+    passes = TransformerPasses(clover.module)
+    whole_logits, whole = passes.prefill(clover.params, ids, state, chunk_size=10**6, logits="all")
+    chunked_logits, chunked = passes.prefill(clover.params, ids, state, chunk_size=chunk, logits="all")
     np.testing.assert_allclose(chunked_logits, whole_logits, atol=1e-4, rtol=1e-4)
     assert int(chunked.length) == int(whole.length) == length
     for left, right in zip(jax.tree.leaves(chunked.layers), jax.tree.leaves(whole.layers)):
@@ -81,7 +82,8 @@ def test_prefill_temporary_memory_does_not_grow_with_the_square_of_the_length(cl
     def temporaries(length):
         state = jax.eval_shape(lambda: empty_state(clover.config, 1, length, clover.dtype))
         ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
-        compiled = jax.jit(lambda p, i, s: causal_pass(clover.module, p, i, s, 2048, "none")).lower(
+        prefill = TransformerPasses(clover.module).prefill
+        compiled = jax.jit(lambda p, i, s: prefill(p, i, s, chunk_size=2048, logits="none")).lower(
             clover.params, ids, state).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -105,10 +107,10 @@ def test_memory_estimate_counts_parameters_and_state_exactly(clover):
 
 def test_a_request_that_cannot_fit_is_refused_before_compute(clover, monkeypatch):
     import clover_jax.parallel.memory as memory
-    import decoding.generation as generation
+    import decoding.layouts as layouts
 
     calls = []
-    monkeypatch.setattr(generation, "run_block_decoder", lambda *args: calls.append(args))
+    monkeypatch.setattr(layouts, "run_block_decoder", lambda *args: calls.append(args))
     monkeypatch.setattr(memory, "available_bytes", lambda device=None: 1000)
     monkeypatch.setattr(clover, "fitted_requests", set())  # as if this request shape were new
     with pytest.raises(ValueError, match="this request needs about .* but only 0.00 GB are free"):

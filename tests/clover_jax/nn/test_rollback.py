@@ -9,7 +9,6 @@ import pytest
 
 from clover_jax import CloverModel
 from clover_jax.api.clover_model import run_pass
-from clover_jax.core.kernels import KernelChoice
 from clover_jax.nn.model import CloverTransformer, TransformerPasses
 from clover_jax.nn.rollback import recording, rolled_back
 from clover_jax.core.state import GDNState, KVCache, RecordingGDN, empty_state
@@ -29,9 +28,9 @@ def tied(tied_checkpoint):
 
 
 def passes_and_params(model: CloverModel, layer_loop: str):
-    if layer_loop == model.kernels.layer_loop:
+    if layer_loop == model.module.layer_loop:
         return model.passes, model.run_params
-    passes = TransformerPasses(CloverTransformer(model.config, model.dtype, KernelChoice(layer_loop=layer_loop)))
+    passes = TransformerPasses(CloverTransformer(model.config, model.dtype, layer_loop=layer_loop))
     return passes, model.params  # the scanned loop runs on stacked parameters
 
 
@@ -59,7 +58,7 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
     verified = causal(passes, params, drafts, recording(state, config, ROWS)).state
     assert all(isinstance(layer, RecordingGDN) for layer in verified.layers.values()
                if not isinstance(layer, KVCache))
-    rolled = jax.jit(rolled_back, static_argnums=2)(verified, keep, ROWS)
+    rolled = jax.jit(rolled_back, static_argnums=(2, 3))(verified, keep, ROWS, passes.module.kernels)
 
     # Fresh: the prefix and the first k drafts only, left-padded by the ROWS - k rows not kept.
     fresh_ids = np.zeros((batch, PREFIX + ROWS), np.int32)

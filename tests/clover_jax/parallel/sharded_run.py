@@ -77,7 +77,8 @@ def main() -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("out")
     parser.add_argument("--mesh", action="append", required=True,
-                        help="data,expert,tensor, optionally +QUANTIZE (e.g. 2,2,2+int4-g16)")
+                        help="data,expert,tensor, optionally @inference (the planner's rules, "
+                             "clover_jax.parallel.planner.inference_rules) and +QUANTIZE (e.g. 2,2,2+int4-g16)")
     parser.add_argument("--process", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
@@ -91,6 +92,7 @@ def main() -> None:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes,
                                    process_id=args.process)
     from clover_jax import CloverModel, make_mesh
+    from clover_jax.parallel.planner import inference_rules
     from weights import loader
 
     read = {"bytes": 0}
@@ -105,9 +107,11 @@ def main() -> None:
     output = {}
     for mesh_text in args.mesh:
         shape, _, quantize = mesh_text.partition("+")
+        shape, _, rules = shape.partition("@")
         data, expert, tensor = map(int, shape.split(","))
+        chosen = inference_rules({"data": data, "expert": expert, "tensor": tensor}) if rules == "inference" else None
         model = CloverModel.from_pretrained(args.checkpoint, progress=False, impl="xla", quantize=quantize or None,
-                                            mesh=make_mesh(data, expert, tensor))
+                                            mesh=make_mesh(data, expert, tensor), rules=chosen)
         output[mesh_text] = results(model, read["bytes"])
     if args.process == 0 or args.processes > 1:
         with open(args.out if args.processes == 1 else f"{args.out}.{args.process}", "w") as handle:

@@ -15,7 +15,8 @@ import pytest
 from tests.clover_jax.parallel import sharded_run
 
 SCRIPT = sharded_run.__file__
-MESHES = ["1,8,1", "2,2,2", "1,1,8"]
+# "@inference": the planner's rules, the dense weights split over the expert axis (2 x 4 here).
+MESHES = ["1,8,1", "2,2,2", "1,1,8", "2,4,1@inference"]
 QUANTIZED = "2,2,2+int4-g16"
 
 
@@ -125,6 +126,12 @@ EXPERT_MESH_SPLIT = {
     "mlp/experts_down_proj": [None, "expert", None, None],
 }
 
+# The planner's rules on (2, 4, 1) (`inference_rules`): what the mixed mesh splits over "tensor" splits
+# over "expert" instead, except the 2 K/V heads, which do not divide 4; nothing splits over "data".
+INFERENCE_MESH_AXES = {**{key: ["expert" if axis == "tensor" else axis for axis in axes]
+                          for key, axes in MIXED_MESH_AXES.items()},
+                       "self_attn/k_proj/weight": [None, None, None], "self_attn/v_proj/weight": [None, None, None]}
+
 
 def _by_parameter(mesh_axes: dict) -> dict:
     """{path inside a layer (or from the root): mesh axes}, the same for every slot of the group."""
@@ -143,6 +150,7 @@ def test_each_parameter_dimension_is_split_over_the_mesh_axis_written_here(on_me
     assert tensor == {key: TENSOR_MESH_SPLIT.get(key, [None] * len(axes)) for key, axes in MIXED_MESH_AXES.items()}
     expert = _by_parameter(on_meshes["1,8,1"]["mesh_axes"])
     assert expert == {key: EXPERT_MESH_SPLIT.get(key, [None] * len(axes)) for key, axes in MIXED_MESH_AXES.items()}
+    assert _by_parameter(on_meshes["2,4,1@inference"]["mesh_axes"]) == INFERENCE_MESH_AXES
 
 
 def test_two_processes_each_read_their_shards_and_agree(clover_checkpoint, tmp_path, single_device):

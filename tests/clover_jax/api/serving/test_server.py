@@ -349,9 +349,13 @@ def test_api_key_body_limit_and_capacity(tools_server):
                         frequency_penalty=0, repetition_penalty=1.0)
             with httpx.Client(timeout=60, headers=authorized) as http:
                 with http.stream("POST", url, json=long) as stream:
-                    next(stream.iter_lines())
+                    lines = stream.iter_lines()
+                    first = next(lines)
                     busy = http.post(url, json=body)
-                    assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+                    if busy.status_code != 503:  # say what the long request did instead of holding its slot
+                        pytest.fail(f"not refused ({busy.status_code}) while the long request streamed "
+                                    f"{first[:200]!r} ... {[line[:300] for line in lines if line][-3:]}")
+                    assert busy.json()["error"]["code"] == "server_busy"
                     assert busy.headers["retry-after"] == "1"
             deadline = time.monotonic() + 30  # the stream's client left: its slot is freed at the next step
             while engine.running() and time.monotonic() < deadline:

@@ -1,0 +1,82 @@
+"""`clover_jax.plan`: which weight format and mesh fit a target — by arithmetic, and on request by
+the target's own compiler (docs/compiling.md).
+
+    plan = clover_jax.plan("Diffuspace/Clover-35B-A3B-Preview", "v6e-1", context_length=32768, compile=True)
+    plan.recommendation            # the first Option that fits (by the compiler when it ran), or None
+    option.compiled["diffusion"]   # ProgramMemory: argument / temp / output / alias bytes per device
+
+With `compile=True`, each format whose weights alone fit the device is compiled for the target —
+the block-diffusion, autoregressive and self-speculative loops at the plan's context and batch,
+with abstract parameters (`clover_jax.api.aot`, in a subprocess) — and `fits` is the compiler's
+verdict: every loop compiled, and its bytes (arguments + temporaries + outputs not aliased) within
+`HEADROOM` of the device. A format the compiler refuses keeps its error and is never recommended.
+Formats whose weights alone exceed the device are not compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Sequence
+
+from clover_jax.api.aot import MODES, CompileJob, ProgramMemory, compile_in_subprocess
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.hub import resolve_checkpoint
+from clover_jax.parallel.planner import GIB, HEADROOM, Option, Plan, decide, estimate, resolve_target
+from clover_jax.parallel.targets import Target
+
+logger = logging.getLogger(__name__)
+
+
+def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Target | Sequence | None" = None,
+         context_length: int = 32768, batch: int = 1, compile: bool = False, block_size: int = 32,
+         chunk_size: int = 2048, revision: str | None = None, modes: Sequence[str] = MODES,
+         formats: Sequence[str] | None = None) -> Plan:
+    """Bytes per device of every weight format on the mesh `target` allows, and the best that fits.
+
+    path_or_config: a checkpoint directory, a Hub id (only its config.json is read) or a
+        `CloverConfig`;
+    target: a name ("v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "H100", "H200",
+        "H200x8"), a list of jax devices or of device-kind names ("TPU v6e"), or None (this
+        process's devices);
+    compile: compile the decoding loops (`modes`) for the target with each format whose weights
+        fit and let the compiler decide `fits` (needs a named target and the compilers:
+        `python -m clover_jax.parallel.compilers install`; minutes per format at full size);
+    formats: compile only these formats (as `Option.weights` names them, e.g. ["bfloat16",
+        "int4 experts (g128)"]); the others keep the arithmetic's verdict and `compiled` None.
+    """
+    config = (path_or_config if isinstance(path_or_config, CloverConfig) else
+              CloverConfig.from_pretrained(resolve_checkpoint(path_or_config, revision, require=("config.json",))))
+    arithmetic = estimate(config, target, context_length, batch, block_size, chunk_size)
+    if not compile:
+        return arithmetic
+    named, _, _, _ = resolve_target(target)
+    if named is None:
+        raise ValueError("compile=True needs a named target (e.g. 'v6e-1', 'H200'); a device list has no compiler")
+    names = [option.weights for option in arithmetic.options]
+    unknown = sorted(set(formats or ()) - set(names))
+    if unknown:
+        raise ValueError(f"formats {unknown} are not among this plan's formats {names}")
+    asked = [option for option in arithmetic.options if formats is None or option.weights in formats]
+    to_compile = [option for option in asked if option.weight_bytes <= option.device_bytes]
+    jobs = [CompileJob(dataclasses.asdict(config), named.name, None if option.quantize is None else option.quantize.name,
+                       option.mesh, dataclasses.asdict(option.rules), context_length, batch, block_size, chunk_size,
+                       tuple(modes)) for option in to_compile]
+    logger.info("compiling %d loops × %d formats for %s", len(modes), len(jobs), named.name)
+    results = dict(zip(map(id, to_compile), compile_in_subprocess(jobs))) if jobs else {}
+    options = [compiled_option(option, results.get(id(option)), modes) if option in asked else option
+               for option in arithmetic.options]
+    return decide(options, arithmetic.target, context_length, batch)
+
+
+def compiled_option(option: Option, compiled: dict | None, modes: Sequence[str]) -> Option:
+    """The option with the compiler's figures, and `fits` as the compiler says (None: not compiled,
+    its weights alone exceed the device)."""
+    if compiled is None:
+        too_big = ProgramMemory(error=f"not compiled: the weights alone, {option.weight_bytes / GIB:.1f} GiB per device, "
+                                      f"exceed the device's {option.device_bytes / GIB:.1f} GiB")
+        return dataclasses.replace(option, fits=False, compiled={mode: too_big for mode in modes})
+    fits = all(memory.error is None and memory.total_bytes <= HEADROOM * option.device_bytes
+               for memory in compiled.values())
+    return dataclasses.replace(option, fits=fits, compiled=compiled)

@@ -1,0 +1,99 @@
+"""Compile every Pallas kernel for TPU v5e, TPU v6e and an H200 (sm_90) from this CPU host, at
+Clover-35B-A3B's shapes and with the arguments the model passes; started by
+`tests/pallas_kernels/test_compile.py` in a process that has the compilers on its path.
+
+    python -m tests.pallas_kernels.compile_kernels_run OUT.json
+
+Each case is lowered, checked for the kernel's custom call, and compiled by the target's compiler
+(Mosaic for TPU, Triton + ptxas for the GPU). The JSON maps "target/case" to
+{"custom_call": bool, "out": [[shape, dtype], ...], "temp_bytes": int} or {"error": "..."}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+TARGETS = ("v5e-1", "v6e-1", "H200")
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+# Qwen3.6-35B-A3B: hidden 2048; GDN 16 key heads, 32 value heads, head dim 128; 256 routed experts of
+# intermediate 512, top-8. A prefill chunk is 2048 tokens (16,384 routed rows); a denoising step of a
+# 32-token block routes 256 rows.
+TOKENS, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 2048, 16, 32, 128
+HIDDEN, EXPERTS, INTERMEDIATE, TOP_K = 2048, 256, 512, 8
+MATMULS = {"gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # (depth, cols)
+FORMATS = (None, "int8", "int4-g128")
+
+
+def cases(platform: str):
+    """(name, function, abstract args) of every kernel call to compile."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax.core.quantization import QuantSpec
+    from pallas_kernels import gdn_chunk, grouped_matmul, grouped_matmul_for_platform
+
+    spec = jax.ShapeDtypeStruct
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    for tokens in (TOKENS, 32):  # a prefill chunk, a block commit
+        # As `clover_jax.nn.gdn` calls it: q, k float32 (L2-normalised in float32), v bf16, decay
+        # float32, beta bf16 (a sigmoid of a bf16 projection), float32 state.
+        qk = spec((1, tokens, KEY_HEADS, HEAD_DIM), f32)
+        per_token = (spec((1, tokens, VALUE_HEADS), f32), spec((1, tokens, VALUE_HEADS), bf16))
+        args = (qk, qk, spec((1, tokens, VALUE_HEADS, HEAD_DIM), bf16), *per_token,
+                spec((1, VALUE_HEADS, HEAD_DIM, HEAD_DIM), f32))
+        yield f"gdn_chunk/{tokens}", lambda *a: gdn_chunk(*a, interpret=False), args
+    for fmt in FORMATS:
+        quant = QuantSpec.parse(fmt)
+        for name, (depth, cols) in MATMULS.items():
+            if quant is None:
+                weights = (spec((EXPERTS, cols, depth), bf16), None)
+            else:
+                (values_shape, scales_shape), (values_dtype, scales_dtype) = (
+                    quant.stored_shapes((EXPERTS, cols, depth)), quant.stored_dtypes())
+                weights = (spec(values_shape, values_dtype), spec(scales_shape, scales_dtype))
+            for rows in (TOKENS * TOP_K, 32 * TOP_K):
+                # As `clover_jax.nn.expert_dispatch.grouped_expert_mlp` calls it (kernel "auto").
+                args = (spec((rows, depth), bf16), weights[0], spec((EXPERTS,), i32)) + weights[1:2] * (quant is not None)
+                yield (f"experts/{fmt or 'bf16'}/{name}/{rows}",
+                       lambda lhs, rhs, sizes, *scales: grouped_matmul_for_platform(
+                           platform, lhs, rhs, sizes, rhs_scales=scales[0] if scales else None), args)
+            # Only the coreset's experts (`active_groups`): our kernel, at a denoising step's rows.
+            args = (spec((32 * TOP_K, depth), bf16), weights[0], spec((EXPERTS,), i32), spec((64,), i32)) + (
+                weights[1:2] * (quant is not None))
+            yield (f"experts_active_groups/{fmt or 'bf16'}/{name}",
+                   lambda lhs, rhs, sizes, active, *scales: grouped_matmul(
+                       lhs, rhs, sizes, rhs_scales=scales[0] if scales else None, active_groups=active,
+                       variant="tpu" if platform == "tpu" else "gpu", interpret=False), args)
+
+
+def main(out_path: str) -> None:
+    import jax
+
+    from clover_jax.api.aot import compiler_error
+    from clover_jax.parallel.targets import compile_only_devices, target
+
+    results = {}
+    for name in TARGETS:
+        chosen = target(name)
+        device = compile_only_devices(chosen)[0]
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        for case, function, args in cases(chosen.platform):
+            placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+            try:
+                lowered = jax.jit(function).lower(*placed)
+                compiled = lowered.compile()
+                results[f"{name}/{case}"] = {
+                    "custom_call": CUSTOM_CALL[chosen.platform] in lowered.as_text(),
+                    "out": [[list(o.shape), str(o.dtype)] for o in jax.tree.leaves(lowered.out_info)],
+                    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                }
+            except Exception as error:  # the compiler's refusal is the finding
+                results[f"{name}/{case}"] = {"error": compiler_error(error)}
+            print(name, case, results[f"{name}/{case}"], file=sys.stderr)
+    with open(out_path, "w") as handle:
+        json.dump(results, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,72 @@
+"""Every Pallas kernel compiles — not only lowers — for TPU v5e, TPU v6e and an H200 (sm_90), at
+Clover-35B-A3B's shapes and with the arguments the model passes: the GDN chunk scan (a prefill
+chunk and a block commit), the routed experts' grouped matmul in bfloat16 (megablox on TPU),
+int8 and int4 (our kernel, dequantising tile by tile), and with `active_groups` (a coreset).
+
+Deviceless ahead-of-time compilation runs the real compilers here (Mosaic's layout passes,
+Triton + ptxas), so a kernel that lowers but that the compiler refuses fails here — as Mosaic
+once refused the grouped matmul's HIGHEST-precision dot on bfloat16 operands ("Bad lhs type").
+The compilers live beside the environment (`clover_jax.parallel.compilers`; `make test` installs
+them) and run in a subprocess (`compile_kernels_run.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.pallas_kernels import compile_kernels_run as run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    from clover_jax.parallel.compilers import compilers_dir, installed, subprocess_environment
+
+    assert installed(), (f"the TPU/GPU compilers are not installed in {compilers_dir()}: "
+                         "python -m clover_jax.parallel.compilers install (make test does)")
+    out = str(tmp_path_factory.mktemp("kernels") / "compiled.json")
+    subprocess.run([sys.executable, "-m", "tests.pallas_kernels.compile_kernels_run", out], check=True,
+                   env=subprocess_environment(dict(os.environ, CLOVER_JAX_CACHE_DIR="")), timeout=1200, cwd=ROOT,
+                   capture_output=True)
+    with open(out) as handle:
+        return json.load(handle)
+
+
+def expected_cases() -> list[str]:
+    """Every target × case the runner compiles (its case list, read without importing JAX's compilers)."""
+    names = [f"gdn_chunk/{tokens}" for tokens in (run.TOKENS, 32)]
+    for fmt in run.FORMATS:
+        for matmul in run.MATMULS:
+            names += [f"experts/{fmt or 'bf16'}/{matmul}/{rows}" for rows in (run.TOKENS * run.TOP_K, 32 * run.TOP_K)]
+            names.append(f"experts_active_groups/{fmt or 'bf16'}/{matmul}")
+    return [f"{target}/{name}" for target in run.TARGETS for name in names]
+
+
+def test_every_kernel_case_was_compiled(compiled):
+    assert sorted(compiled) == sorted(expected_cases())
+
+
+@pytest.mark.parametrize("case", expected_cases())
+def test_the_kernel_compiles_for_the_target(compiled, case):
+    result = compiled[case]
+    assert "error" not in result, result["error"]
+    assert result["custom_call"]  # the Pallas kernel itself, not an XLA fallback
+    name = case.split("/")
+    if name[1] == "gdn_chunk":
+        tokens = int(name[2])
+        assert result["out"] == [[[1, tokens, run.VALUE_HEADS, run.HEAD_DIM], "float32"],
+                                 [[1, run.VALUE_HEADS, run.HEAD_DIM, run.HEAD_DIM], "float32"]]
+    else:
+        cols = run.MATMULS[name[3]][1]
+        rows = int(name[4]) if name[1] == "experts" else 32 * run.TOP_K
+        assert result["out"] == [[[rows, cols], "bfloat16"]]
+        # Quantised experts are dequantised per tile inside the kernel: no [experts, out, in] float
+        # copy of the weights exists among the program's temporaries.
+        depth = run.MATMULS[name[3]][0]
+        assert result["temp_bytes"] < run.EXPERTS * cols * depth * 2 // 16
