@@ -1,6 +1,6 @@
 # Every install step lives here: `make test` on a fresh machine creates .venv and installs .[test].
-# `make demo` uses the same .venv but installs only the runtime dependencies (`pip install -e .`: no torch,
-# no transformers); a later `make test` adds the test extras on top, and a demo after `make test` reuses them.
+# `make demo` uses the same .venv but installs only the runtime dependencies and the server's (`pip install -e .[serve]`:
+# no torch, no transformers); a later `make test` adds the test extras on top, and a demo after `make test` reuses them.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,12 +17,12 @@ $(BIN)/python:
 
 # torch==2.13.0 (CPU build) is pinned in the test extra; reinstall when pyproject changes.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,serve]"
 	touch $(STAMP)
 
-# Runtime dependencies only (jax, flax, tokenizers, jinja2, ...), for the demo and the CLI.
+# Runtime dependencies (jax, flax, tokenizers, jinja2, ...) and the server's (fastapi, uvicorn), for the demo and the CLI.
 $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e ".[serve]"
 	touch $(RUNTIME_STAMP)
 
 # The TPU and GPU compilers of the `aot` extra, beside the environment (docs/compiling.md).

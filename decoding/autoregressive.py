@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
-from decoding.controls import Controls, TokenIds, choose, process
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process, thinking_open
 
 
 class AutoregressiveSpec(NamedTuple):
@@ -34,6 +34,19 @@ class AutoregressiveState(NamedTuple):
     lengths: jax.Array    # int32 [b], tokens generated
     nfe: jax.Array        # int32 [b]
     index: jax.Array      # int32 []
+
+
+def next_tokens(logits: jax.Array, counts: jax.Array, index: jax.Array, prompt_thinking: jax.Array,
+                sequence_keys: jax.Array, controls: Controls, ids: TokenIds, choose_rows) -> jax.Array:
+    """The next token of every sequence (int32 [b]): `process` (response index `index` [b], counts
+    [b, vocab] of the response so far), then `choose_rows(processed [b, 1, vocab], keys [b])`,
+    sequence i drawing from fold_in(sequence_keys[i], index[i]). controls: one for the batch
+    (scalars) or one per sequence ([b] arrays). Shared by `run_autoregressive` and the serving engine."""
+    thinking = thinking_open(counts, prompt_thinking, ids)
+    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, per_sequence_axes(controls), None))(
+        logits[:, None], counts, index[:, None], thinking, controls, ids)
+    keys = jax.vmap(jax.random.fold_in)(sequence_keys, index)
+    return choose_rows(processed, keys).token[:, 0]
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
@@ -61,15 +74,10 @@ def run_autoregressive(passes: ModelPasses, params: Any, spec: AutoregressiveSpe
 
     def choose_next(state: AutoregressiveState) -> AutoregressiveState:
         index = state.index
-        think_start = jnp.where(ids.think_start >= 0, state.counts[:, jnp.maximum(ids.think_start, 0)], 0)
-        think_end = jnp.where(ids.think_end >= 0, state.counts[:, jnp.maximum(ids.think_end, 0)], 0)
-        thinking = (prompt_thinking | (think_start > 0)) & (think_end == 0)
-        processed = jax.vmap(process, in_axes=(0, 0, None, 0, None, None))(
-            state.logits[:, None], state.counts, index[None], thinking, controls, ids)
-        # sequence i samples from fold_in(key, i), then per token
-        keys_now = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), index))(jnp.arange(batch))
-        choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys_now)
-        token = choice.token[:, 0]
+        sequence_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))  # sequence i: fold_in(key, i)
+        token = next_tokens(state.logits, state.counts, jnp.broadcast_to(index, (batch,)), prompt_thinking,
+                            sequence_keys, controls, ids,
+                            lambda rows, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(rows, keys))
         live = ~state.finished
         lengths = state.lengths + live
         finished = state.finished | (live & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)

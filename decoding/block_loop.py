@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.state import ModelState
-from decoding.controls import Controls, TokenIds, choose, process
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process
 from decoding.schedules import StepView, as_decision
 
 
@@ -133,36 +133,83 @@ class Decoder(NamedTuple):
 
 
 # ---------------------------------------------------------------------- steps
-def _denoise_logits(d: Decoder, state: LoopState):
-    out = d.passes.denoise(d.params, state.block, state.model, coreset=d.spec.coreset,
-                           coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
-    return out.logits, out.distinct_experts
+class BlockProgress(NamedTuple):
+    """Each sequence's current block, as one denoising step reads and leaves it. b = batch, B = block size."""
+
+    block: jax.Array             # int32 [b, B]: tokens, the mask id where masked
+    decided: jax.Array           # bool [b, B]
+    fixed: jax.Array             # bool [b, B]: prompt-tail positions (never changed)
+    block_index: jax.Array       # int32 [b]: the sequence's decoded block number
+    step: jax.Array              # int32 [b]: denoising steps taken in this block
+    post_fill: jax.Array         # int32 [b]: steps of this block that began with no mask
+    counts: jax.Array            # int32 [b, vocab]: response tokens so far (committed + filled)
+    finished: jax.Array          # bool [b]
+    open: jax.Array              # bool [b]: the block still takes steps
 
 
-def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
-    """Decide positions of every active sequence's block from one forward's logits ([b, B, V])."""
-    spec, request, controls, ids = d.spec, d.request, d.controls, d.ids
-    batch, size = state.block.shape
+class SequenceFacts(NamedTuple):
+    """What a step needs to know of each sequence's request ([b] each)."""
+
+    response_base: jax.Array     # int32: response index t of row 0 of the first decoded block
+    prompt_length: jax.Array     # int32: P
+    max_new_tokens: jax.Array    # int32
+    prompt_thinking: jax.Array   # bool: the prompt ends inside an unclosed <think>
+    key: jax.Array               # the sequence's PRNG key (a step draws from fold_in(fold_in(key, block), step))
+
+
+class StepRules(NamedTuple):
+    """How a step decides. controls: scalars (one for the batch) or [b] arrays (one per sequence);
+    choose(processed logits [b, B, V], keys [b]) -> Choice [b, B]; schedule(view) -> Decision,
+    `view` a `StepView` whose fields carry a leading [b] axis."""
+
+    controls: Controls
+    ids: TokenIds
+    steps_cap: int
+    choose: Callable
+    schedule: Callable
+
+
+class StepDetails(NamedTuple):
+    """What happened at each position ([b, B]) and to each sequence ([b]) in the step."""
+
+    active: jax.Array            # [b]: the sequence took this step
+    choice: Any                  # `decoding.controls.Choice`, [b, B] fields
+    filled: jax.Array            # a mask became a token
+    edited: jax.Array            # a decided token was replaced
+    remasked: jax.Array          # a decided token was masked again
+    masked_before: jax.Array
+    closing: jax.Array           # [b]: the block is decided and closes
+
+
+def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array,
+                   rules: StepRules) -> tuple[BlockProgress, StepDetails]:
+    """Decide positions of every active sequence's block from one forward's logits ([b, B, V]):
+    `process`, the choice of candidates, the schedule, the step cap, the counts and whether the
+    block closes and the sequence finishes (docs/design.md §4, §7). Shared by `generate`'s loops
+    and the serving engine, which batches sequences at different blocks and steps."""
+    controls, ids = rules.controls, rules.ids
+    batch, size = progress.block.shape
     rows = jnp.arange(size)
-    block_iter, step, decided, fixed, current = state.block_iter, state.step, state.decided, state.fixed, state.block
-    active = ~state.finished & state.open
-    response_index = request.response_base[:, None] + block_iter * size + rows[None, :]
+    step, decided, fixed, current = progress.step, progress.decided, progress.fixed, progress.block
+    active = ~progress.finished & progress.open
+    response_index = facts.response_base[:, None] + progress.block_index[:, None] * size + rows[None, :]
     is_response = response_index >= 0
 
-    thinking = (request.prompt_thinking | (_count(state.counts, ids.think_start) > 0)) & \
-        (_count(state.counts, ids.think_end) == 0)
-    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
-        logits, state.counts, response_index, thinking, controls, ids)
-    keys = jax.vmap(lambda i, s: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(request.key, i), block_iter),
-                                                    s))(jnp.arange(batch), step)
-    choice = jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys)
+    thinking = (facts.prompt_thinking | (_count(progress.counts, ids.think_start) > 0)) & \
+        (_count(progress.counts, ids.think_end) == 0)
+    control_axes = per_sequence_axes(controls)
+    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, control_axes, None))(
+        logits, progress.counts, response_index, thinking, controls, ids)
+    keys = jax.vmap(lambda key, block, s: jax.random.fold_in(jax.random.fold_in(key, block), s))(
+        facts.key, progress.block_index, step)
+    choice = rules.choose(processed, keys)
     full_before = jnp.all(decided, axis=-1)
     view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
-                    request.prompt_length[:, None] + response_index, step, block_iter, jnp.int32(spec.steps_cap),
-                    state.post_fill, controls.threshold, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
-    per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, 0, None, 0)
-    decision = as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params))
-    forced = decision.decided | fixed | (step[:, None] + 1 >= spec.steps_cap)
+                    facts.prompt_length[:, None] + response_index, step, progress.block_index,
+                    jnp.full((batch,), rules.steps_cap, jnp.int32), progress.post_fill,
+                    jnp.broadcast_to(controls.threshold, (batch,)), jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
+    decision = as_decision(rules.schedule(view))
+    forced = decision.decided | fixed | (step[:, None] + 1 >= rules.steps_cap)
     after = jnp.where(active[:, None], forced, decided)
     filled, remasked = after & ~decided, decided & ~after
     edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
@@ -170,34 +217,66 @@ def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.A
     counted = is_response.astype(jnp.int32)
     added, removed = (filled | edited) * counted, (remasked | edited) * counted
     batch_rows = jnp.arange(batch)[:, None]
-    counts = state.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
-    new_step = step + active
+    counts = progress.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
+
+    # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
+    keep_open = decision.keep_open & (progress.post_fill + full_before < rules.steps_cap)
+    closing = active & jnp.all(after, axis=-1) & ~keep_open
+    inside = is_response & (response_index < facts.max_new_tokens[:, None])
+    has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
+    reached = facts.response_base + (progress.block_index + 1) * size >= facts.max_new_tokens
+    finished = progress.finished | (closing & (has_eos | reached))
+    progress = progress._replace(block=block, decided=after, step=step + active,
+                                 post_fill=progress.post_fill + (active & full_before), counts=counts,
+                                 finished=finished, open=progress.open & ~closing)
+    return progress, StepDetails(active, choice, filled & active[:, None], edited, remasked, ~decided, closing)
+
+
+def _denoise_logits(d: Decoder, state: LoopState):
+    out = d.passes.denoise(d.params, state.block, state.model, coreset=d.spec.coreset,
+                           coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
+    return out.logits, out.distinct_experts
+
+
+def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
+    """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the per-block
+    outputs and the history recorded at the batch's block."""
+    spec, request, controls = d.spec, d.request, d.controls
+    batch = state.block.shape[0]
+    block_iter = state.block_iter
+    progress = BlockProgress(state.block, state.decided, state.fixed, jnp.broadcast_to(block_iter, (batch,)),
+                             state.step, state.post_fill, state.counts, state.finished, state.open)
+    facts = SequenceFacts(request.response_base, request.prompt_length, request.max_new_tokens,
+                          request.prompt_thinking,
+                          jax.vmap(lambda i: jax.random.fold_in(request.key, i))(jnp.arange(batch)))
+    per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    rules = StepRules(
+        controls, d.ids, spec.steps_cap,
+        lambda processed, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys),
+        lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params)))
+    progress, details = denoising_step(progress, facts, logits, rules)
+
+    active, filled, closing, choice = details.active, details.filled, details.closing, details.choice
     slot = (jnp.arange(batch), block_iter)
-    fill_step = state.fill_step.at[slot].set(jnp.where(filled, new_step[:, None], state.fill_step[slot]))
+    fill_step = state.fill_step.at[slot].set(jnp.where(filled, progress.step[:, None], state.fill_step[slot]))
     fill_confidence = state.fill_confidence.at[slot].set(
         jnp.where(filled, choice.confidence, state.fill_confidence[slot]))
     distinct_experts = state.distinct_experts.at[slot].add(
         jnp.where(active, jnp.mean(distinct.astype(jnp.float32), axis=0), 0.0))
+    tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], progress.block, state.tokens[slot]))
+    steps_per_block = state.steps_per_block.at[slot].set(
+        jnp.where(closing, progress.step, state.steps_per_block[slot]))
 
-    # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
-    keep_open = decision.keep_open & (state.post_fill + full_before < spec.steps_cap)
-    closing = active & jnp.all(after, axis=-1) & ~keep_open
-    tokens = state.tokens.at[slot].set(jnp.where(closing[:, None], block, state.tokens[slot]))
-    steps_per_block = state.steps_per_block.at[slot].set(jnp.where(closing, new_step, state.steps_per_block[slot]))
-    inside = is_response & (response_index < request.max_new_tokens[:, None])
-    has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
-    reached = request.response_base + (block_iter + 1) * size >= request.max_new_tokens
-    finished = state.finished | (closing & (has_eos | reached))
-
-    record = dict(active=active, block_index=block_iter, masked_before=~decided, candidate=choice.token,
-                  confidence=choice.confidence, margin=choice.margin, entropy=choice.entropy,
-                  filled=filled & active[:, None], changed=(edited | remasked) & active[:, None])
+    record = dict(active=active, block_index=block_iter, masked_before=details.masked_before,
+                  candidate=choice.token, confidence=choice.confidence, margin=choice.margin,
+                  entropy=choice.entropy, filled=filled,
+                  changed=(details.edited | details.remasked) & active[:, None])
     history = state.history
     if spec.history:
         history = _record(history, record, active)
     return state._replace(
-        block=block, decided=after, step=new_step, open=state.open & ~closing,
-        post_fill=state.post_fill + (active & full_before), counts=counts, finished=finished, tokens=tokens,
+        block=progress.block, decided=progress.decided, step=progress.step, open=progress.open,
+        post_fill=progress.post_fill, counts=progress.counts, finished=progress.finished, tokens=tokens,
         steps_per_block=steps_per_block, fill_step=fill_step, fill_confidence=fill_confidence,
         distinct_experts=distinct_experts, nfe=state.nfe + active, history=history,
         last_step=record if state.last_step is not None else None)

@@ -39,6 +39,19 @@ class TokenIds(NamedTuple):
     think_end: jax.Array
 
 
+def per_sequence_axes(tree):
+    """vmap axes of a pytree whose leaves are one value for the batch (None) or one per sequence (0),
+    such as `Controls` given once for a `generate` call or per request in the serving engine."""
+    return jax.tree_util.tree_map(lambda leaf: 0 if jnp.ndim(leaf) else None, tree)
+
+
+def thinking_open(counts: jax.Array, prompt_thinking: jax.Array, ids: TokenIds) -> jax.Array:
+    """bool [b]: the prompt or the response opened <think> and the response has not closed it.
+    counts: int32 [b, vocab], the response so far; prompt_thinking: bool [b]."""
+    count = lambda token: jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)
+    return (prompt_thinking | (count(ids.think_start) > 0)) & (count(ids.think_end) == 0)
+
+
 def ramp(t: jax.Array, start: jax.Array, window: jax.Array) -> jax.Array:
     """clip((t − start) / window, 0, 1); a window of 0 is a step at `start`."""
     t = t.astype(jnp.float32)
@@ -103,6 +116,17 @@ def choose(logits: jax.Array, controls: Controls, do_sample: bool, key: jax.Arra
         token = jnp.argmax(logits, axis=-1)
     probabilities = jax.nn.softmax(logits, axis=-1)
     confidence = jnp.take_along_axis(probabilities, token[:, None], axis=-1)[:, 0]
-    top_two = jax.lax.top_k(probabilities, 2)[0]
     entropy = -jnp.sum(jnp.where(probabilities > 0, probabilities * jnp.log(probabilities), 0.0), axis=-1)
-    return Choice(token.astype(jnp.int32), confidence, top_two[:, 0] - top_two[:, 1], entropy)
+    return Choice(token.astype(jnp.int32), confidence, top_two_gap(probabilities), entropy)
+
+
+def top_two_gap(probabilities: jax.Array) -> jax.Array:
+    """The largest value minus the second largest (0 when the largest occurs twice) over the last
+    axis: `lax.top_k(p, 2)`'s two values subtracted, in reductions. Why not top_k: XLA:CPU turned
+    `top_k(p, 2)` followed by a slice into a sort of the whole vocabulary for every row (measured:
+    270 ms for 32 rows of 32,768 against 1.7 ms for top_k alone, and as much inside `choose`)."""
+    first = jnp.max(probabilities, axis=-1, keepdims=True)
+    at_first = probabilities == first
+    rest = jnp.max(jnp.where(at_first, -jnp.inf, probabilities), axis=-1)
+    second = jnp.where(jnp.sum(at_first, axis=-1) > 1, first[..., 0], rest)
+    return first[..., 0] - second

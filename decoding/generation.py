@@ -84,8 +84,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
     anything is compiled; an exception raised by a listener reaches the caller as it is.
     """
     compilation_cache.enable()
-    config = _resolve_config(model, generation_config, overrides)
-    prompts = _check_prompts(model, prompts, config, mode)
+    config = resolve_config(model, generation_config, overrides)
+    prompts = check_prompts(model, prompts, config, mode)
     listening = on_block is not None or streamer is not None or progress or on_step is not None
     if (return_trajectory or return_history or listening) and mode == "autoregressive":
         raise ValueError("return_trajectory, return_history, on_block, streamer, on_step and progress are for "
@@ -121,8 +121,8 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 
 # ---------------------------------------------------------------------- validation
-def _resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
-    config = _model_defaults(model) if generation_config is None else _completed(model, generation_config)
+def resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    config = model_defaults(model) if generation_config is None else _completed(model, generation_config)
     if overrides:
         config = config.replace(**overrides)
     if config.max_new_tokens is None:
@@ -133,7 +133,7 @@ def _resolve_config(model, generation_config: GenerationConfig | None, overrides
 _DEFAULTS: "weakref.WeakKeyDictionary[Any, tuple[Any, GenerationConfig]]" = weakref.WeakKeyDictionary()
 
 
-def _model_defaults(model) -> GenerationConfig:
+def model_defaults(model) -> GenerationConfig:
     """The checkpoint's generation config, read once per model (and again if `model.path` changes)."""
     path = getattr(model, "path", None)
     cached = _DEFAULTS.get(model)
@@ -150,7 +150,7 @@ def _completed(model, config: GenerationConfig) -> GenerationConfig:
     return config.with_token_ids(model.config, getattr(model, "path", None))
 
 
-def _check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
+def check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
     vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")

@@ -31,6 +31,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from decoding import schedules as schedule_registry
+from decoding.schedules.switch import ScheduleSwitch  # noqa: F401  (research.ScheduleSwitch, its first home)
 from decoding.generation import generate
 from decoding.generation_config import GenerationConfig
 
@@ -293,36 +294,6 @@ def padded_batches(prompts: Sequence[Sequence[int]], size: int) -> Iterator[tupl
     for first in range(0, len(prompts), size):
         batch = [list(p) for p in prompts[first:first + size]]
         yield batch + [batch[-1]] * (size - len(batch)), len(batch)
-
-
-class ScheduleSwitch:
-    """One schedule function that runs any of several named schedules, chosen by a traced index:
-    `params = switch.params(name, given, config)` selects `name` with its parameters. Every choice
-    shares one compiled decoder per block size, so a sweep over many schedules compiles once per
-    block size; the decisions are those of the named rule itself."""
-
-    def __init__(self, names: Sequence[str]):
-        self.names = tuple(dict.fromkeys(names))
-        for name in self.names:
-            schedule_registry.resolve(name)
-        self.__name__ = "switch(" + ", ".join(self.names) + ")"
-
-    def __call__(self, view, params):
-        branches = [lambda v, p, name=name: schedule_registry.as_decision(schedule_registry.BY_NAME[name].rule(v, p[name]))
-                    for name in self.names]
-        return jax.lax.switch(params["index"], branches, view, params)
-
-    def params(self, name: str, given: Mapping[str, Any] | None, config: GenerationConfig) -> dict:
-        """The parameters that select `name` with `given` (its other schedules at their defaults)."""
-        return {"index": np.int32(self.names.index(name)),
-                **{other: schedule_registry.resolve_params(other, given if other == name else None, config)
-                   for other in self.names}}
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ScheduleSwitch) and other.names == self.names
-
-    def __hash__(self) -> int:
-        return hash(("ScheduleSwitch", self.names))
 
 
 def _run_cell(model, task: Task, label: str, schedule: Any, params: dict, config: GenerationConfig,

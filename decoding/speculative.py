@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.state import ModelState
-from decoding.controls import Controls, TokenIds, choose, process
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process, thinking_open
 
 
 class SpeculativeSpec(NamedTuple):
@@ -92,18 +92,13 @@ class SpeculativeState(NamedTuple):
     round: jax.Array             # int32 []
 
 
-def thinking_open(counts: jax.Array, prompt_thinking: jax.Array, ids: TokenIds) -> jax.Array:
-    """bool [b]: the prompt or the response opened <think> and the response has not closed it."""
-    count = lambda token: jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)
-    return (prompt_thinking | (count(ids.think_start) > 0)) & (count(ids.think_end) == 0)
-
-
 def greedy_processed(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thinking: jax.Array,
                      controls: Controls, ids: TokenIds) -> jax.Array:
-    """int32 [b, rows]: `process` then greedy, per sequence. logits: [b, rows, vocab]; response_index: [b, rows]."""
-    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, None, None))(
+    """int32 [b, rows]: `process` then greedy, per sequence. logits: [b, rows, vocab]; response_index: [b, rows];
+    controls: one for the batch (scalars) or one per sequence ([b] arrays)."""
+    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, per_sequence_axes(controls), None))(
         logits, counts, response_index, thinking, controls, ids)
-    return jax.vmap(lambda rows: choose(rows, controls, False, None).token)(processed)
+    return jax.vmap(lambda rows: choose(rows, controls, False, None).token)(processed)  # greedy: no control read
 
 
 def causal_choices(logits: jax.Array, drafts: jax.Array, counts: jax.Array, lengths: jax.Array,
@@ -122,6 +117,63 @@ def causal_choices(logits: jax.Array, drafts: jax.Array, counts: jax.Array, leng
 
     _, tokens = jax.lax.scan(row, counts, (jnp.moveaxis(logits, 1, 0), after.T, jnp.arange(after.shape[1])))
     return tokens.T
+
+
+class RoundOutcome(NamedTuple):
+    """One round of every sequence ([b] unless noted); sequences not active emit nothing and keep their fill."""
+
+    model: ModelState            # rolled back to the accepted drafts; length int32 [b]
+    pending: jax.Array           # int32: the next round's pending token
+    choices: jax.Array           # int32 [b, B+1]: c_0 … c_B; the first `emitted` are this round's tokens
+    emitted: jax.Array           # int32: tokens emitted (accepted + 1, cut at EOS / max_new_tokens)
+    counts: jax.Array            # int32 [b, vocab]: response tokens emitted, this round's included
+    lengths: jax.Array           # int32: response length after the round
+    finished: jax.Array          # bool: the round emitted an EOS or reached max_new_tokens
+    drafts: jax.Array            # int32 [b, B]
+    accepted: jax.Array          # int32: leading drafts equal to the causal choices
+    distinct_experts: jax.Array  # float32: of the draft pass, mean over layers
+
+
+def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
+                      controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, max_new_tokens: jax.Array,
+                      model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
+                      active: jax.Array, distinct_experts: bool = False) -> RoundOutcome:
+    """Draft, verify, accept and roll back (the module docstring's steps 1–4) for every sequence at
+    once; each at its own fill (`model.length` int32 [b]). Shared by `run_self_speculative` and the
+    serving engine. controls: one for the batch (scalars) or one per sequence ([b] arrays). The
+    draft pass's distinct experts are collected only with `distinct_experts` (zeros otherwise)."""
+    batch = pending.shape[0]
+    rows = jnp.arange(size)
+    masks = jnp.full((batch, size), ids.mask, jnp.int32)
+    # the pending token's row (appended) and its logits, then the masked block's
+    draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
+                                      coreset_top_p=coreset_top_p, committed_logits=True,
+                                      distinct_experts=distinct_experts)
+    thinking = thinking_open(counts, prompt_thinking, ids)
+    drafts = greedy_processed(draft.logits[:, 1:], counts, lengths[:, None] + rows, thinking, controls, ids)
+    verify = passes.recording_causal(params, drafts, draft.state)
+    logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
+    choices = causal_choices(logits, drafts, counts, lengths, prompt_thinking, controls, ids)
+    accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
+
+    # Emit c_0 ... c_a, cut after the first EOS and at max_new_tokens.
+    offsets = jnp.arange(size + 1)
+    is_eos = jnp.any(choices[..., None] == ids.eos, axis=-1) & (offsets <= accepted[:, None])
+    through_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, size + 1)
+    emitted = jnp.minimum(jnp.minimum(accepted + 1, through_eos), max_new_tokens - lengths)
+    emitted = jnp.where(active, emitted, 0)
+    written = offsets[None, :] < emitted[:, None]                                     # [b, B+1]
+    counts = counts.at[jnp.arange(batch)[:, None], choices].add(written.astype(jnp.int32))
+    new_lengths = lengths + emitted
+    finished = active & ((through_eos <= emitted) | (new_lengths >= max_new_tokens))
+
+    rolled = passes.rolled_back(verify.state, jnp.where(active, accepted, 0), size)
+    rolled = rolled._replace(length=jnp.where(active, rolled.length, model.length))  # not active: frozen
+    next_pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
+    distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
+                else jnp.zeros((batch,), jnp.float32))
+    return RoundOutcome(rolled, next_pending, choices, emitted, counts, new_lengths, finished, drafts, accepted,
+                        distinct)
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
@@ -152,44 +204,21 @@ def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec
 
     def one_round(s: SpeculativeState) -> SpeculativeState:
         active = ~s.finished
-        rows = jnp.arange(size)
-        masks = jnp.full((batch, size), ids.mask, jnp.int32)
-        # the pending token's row (appended) and its logits, then the masked block's
-        draft = passes.commit_and_denoise(params, s.pending[:, None], masks, s.model, coreset=spec.coreset,
-                                          coreset_top_p=coreset_top_p, committed_logits=True, distinct_experts=True)
-        thinking = thinking_open(s.counts, prompt_thinking, ids)
-        drafts = greedy_processed(draft.logits[:, 1:], s.counts, s.lengths[:, None] + rows, thinking, controls, ids)
-        verify = passes.recording_causal(params, drafts, draft.state)
-        logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
-        choices = causal_choices(logits, drafts, s.counts, s.lengths, prompt_thinking, controls, ids)
-        accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
-
-        # Emit c_0 ... c_a, cut after the first EOS and at max_new_tokens.
+        out = speculative_round(passes, params, size, spec.coreset, coreset_top_p, controls, ids, prompt_thinking,
+                                max_new_tokens, s.model, s.pending, s.counts, s.lengths, active)
         offsets = jnp.arange(size + 1)
-        is_eos = jnp.any(choices[..., None] == ids.eos, axis=-1) & (offsets <= accepted[:, None])
-        through_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, size + 1)
-        emitted = jnp.minimum(jnp.minimum(accepted + 1, through_eos), max_new_tokens - s.lengths)
-        emitted = jnp.where(active, emitted, 0)
-        written = offsets[None, :] < emitted[:, None]                                     # [b, B+1]
+        written = offsets[None, :] < out.emitted[:, None]                                 # [b, B+1]
         columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped
-        tokens = s.tokens.at[jnp.arange(batch)[:, None], columns].set(choices, mode="drop")
-        counts = s.counts.at[jnp.arange(batch)[:, None], choices].add(written.astype(jnp.int32))
-        lengths = s.lengths + emitted
-        finished = s.finished | (active & ((through_eos <= emitted) | (lengths >= max_new_tokens)))
-
-        model = passes.rolled_back(verify.state, jnp.where(active, accepted, 0), size)
-        model = model._replace(length=jnp.where(active, model.length, s.model.length))  # finished: frozen
-        pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
-        distinct = s.distinct_experts.at[:, s.round].set(
-            jnp.where(active, jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0), 0.0))
+        tokens = s.tokens.at[jnp.arange(batch)[:, None], columns].set(out.choices, mode="drop")
+        distinct = s.distinct_experts.at[:, s.round].set(jnp.where(active, out.distinct_experts, 0.0))
         rounds = s.rounds
         if spec.trajectory:
             at = jnp.where(active, s.round, limit)  # finished sequences: dropped
             put = lambda buffer, value: buffer.at[jnp.arange(batch), at].set(value, mode="drop")
-            rounds = Rounds(put(rounds.drafts, drafts), put(rounds.accepted, accepted), put(rounds.emitted, emitted),
-                            rounds.num_rounds + active)
-        return SpeculativeState(model, pending, tokens, counts, finished, lengths, s.nfe + 2 * active, distinct,
-                                rounds, s.round + 1)
+            rounds = Rounds(put(rounds.drafts, out.drafts), put(rounds.accepted, out.accepted),
+                            put(rounds.emitted, out.emitted), rounds.num_rounds + active)
+        return SpeculativeState(out.model, out.pending, tokens, out.counts, s.finished | out.finished, out.lengths,
+                                s.nfe + 2 * active, distinct, rounds, s.round + 1)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.round < limit), one_round, initial)
     return SpeculativeResults(final.tokens, final.lengths, final.nfe, final.distinct_experts, final.rounds)

@@ -21,6 +21,10 @@ QWEN36_LIKE = dict(
     eos_token_id=1, max_position_embeddings=4096,
 )
 
+# QWEN36_LIKE cut to one GDN and one attention layer: the same widths, a quarter of the compile time
+# (the serving tests compile many programs: every lane shape, every reference `generate` call).
+TWO_LAYERS = dict(QWEN36_LIKE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+
 # A different shape: alternating GDN / attention, tied embeddings, one K/V head,
 # key heads = value heads, half the head dims rotating, top-3 of 5 experts.
 TIED_ONE_TO_ONE = dict(

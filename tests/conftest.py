@@ -49,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 from tests.checkpoints import (  # noqa: E402
-    QWEN36_LIKE, TIED_ONE_TO_ONE, add_clover_tensors, rewrite_fused_multimodal, write_hf_checkpoint)
+    QWEN36_LIKE, TIED_ONE_TO_ONE, TWO_LAYERS, add_clover_tensors, rewrite_fused_multimodal, write_hf_checkpoint)
 
 MASK_ID = QWEN36_LIKE["vocab_size"] - 1
 
@@ -76,6 +76,13 @@ def fused_checkpoint(qwen36_checkpoint, tmp_path_factory) -> str:
 def clover_checkpoint(qwen36_checkpoint, tmp_path_factory) -> str:
     """The qwen36_like backbone with random Clover block-mode tensors and a clover_moe config."""
     return add_clover_tensors(qwen36_checkpoint, str(tmp_path_factory.mktemp("clover")), mask_token_id=MASK_ID)
+
+
+@pytest.fixture(scope="session")
+def small_clover_checkpoint(tmp_path_factory) -> str:
+    """A two-layer random Clover (TWO_LAYERS with block-mode tensors): the serving tests' model."""
+    backbone = write_hf_checkpoint(tmp_path_factory.mktemp("two_layers"), TWO_LAYERS, seed=2)
+    return add_clover_tensors(backbone, str(tmp_path_factory.mktemp("small_clover")), mask_token_id=MASK_ID)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@
     clover-jax generate --model org/name --revision main "What is diffusion?"   # a Hub id
     clover-jax generate --model DIR --dtype bfloat16 --json "What is diffusion?"
     clover-jax info DIR
+    clover-jax serve --model DIR --port 8000                 # an OpenAI-compatible server (docs/serving.md)
 
 `--model` is a checkpoint directory or a Hugging Face Hub id (`clover_jax.core.hub`: only the files
 clover-jax reads are downloaded, into the Hub cache; `HF_HUB_OFFLINE=1` works from the cache).
@@ -248,6 +249,37 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=run_info)
 
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
+                    "with continuous batching of block diffusion; see docs/serving.md.")
+    serve.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
+                       help=f"checkpoint directory or Hugging Face Hub id (default: the bundled tiny model, "
+                            f"{_short(BUNDLED_MODEL)})")
+    serve.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=_int, default=8000, help="port (default 8000)")
+    serve.add_argument("--max-running", type=_int, default=8, metavar="N",
+                       help="requests decoding at once, batched in every step (default 8)")
+    serve.add_argument("--max-queue", type=_int, default=64, metavar="N",
+                       help="requests waiting beyond them; more are answered 503 (default 64)")
+    serve.add_argument("--max-context", type=_int, default=None, metavar="TOKENS",
+                       help="prompt + response positions per request (default: the model's context)")
+    serve.add_argument("--block-sizes", default=None, metavar="B,B,...",
+                       help="block sizes a request may ask for (default: the checkpoint's, 16, 32, 64)")
+    serve.add_argument("--api-key", default=os.environ.get("CLOVER_JAX_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every request (default: $CLOVER_JAX_API_KEY, "
+                            "else none)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model's name in the API (default: --model as given)")
+    serve.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="parameter and activation dtype (default: the checkpoint's)")
+    serve.add_argument("--max-body-bytes", type=_int, default=8 << 20, metavar="BYTES",
+                       help="largest request body accepted (default 8 MiB)")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="skip the warm-up request that compiles the default decoding before serving")
+    serve.set_defaults(run=run_serve)
     plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
                                             "with --compile)",
                                description="Bytes per device of each weight format on the mesh a target allows, "
@@ -440,6 +472,39 @@ def run_generate(args: argparse.Namespace) -> int:
             print(file=frames_out)
         print(text)
     status.say(_summary(metrics, len(response), finished, args.mode))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`clover-jax serve`: load, warm up, serve until interrupted."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--max-running", args.max_running), ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    sizes = None
+    if args.block_sizes is not None:
+        try:
+            sizes = tuple(int(size) for size in args.block_sizes.split(","))
+        except ValueError:
+            raise UsageError(f"--block-sizes must be integers separated by commas, got {args.block_sizes!r}") from None
+        if not sizes or min(sizes) < 1:
+            raise UsageError(f"--block-sizes must be integers >= 1, got {args.block_sizes!r}")
+    path = resolve_model_dir(args.model, args.revision)
+    name = args.served_model_name or args.model or BUNDLED_MODEL.name
+    print(f"clover-jax serve: loading {name} ...", file=sys.stderr)
+    from clover_jax.api.serving.server import build_service, serve, warm_up
+
+    model = args.model if _is_hub_snapshot(args.model) else path
+    service = build_service(str(model), name, args.max_running, args.max_queue, args.max_context, sizes, args.dtype,
+                            args.revision if _is_hub_snapshot(args.model) else None)
+    if not args.no_warmup:
+        print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
+    print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
+          f"running, {args.max_queue} queued){'; API key required' if args.api_key else ''}", file=sys.stderr)
+    serve(service, args.host, args.port, args.api_key, args.max_body_bytes)
     return 0
 
 

@@ -23,6 +23,7 @@ its files must not come from an untrusted source.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -208,7 +209,8 @@ class PersistentJit:
                 return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
             except Exception as error:  # a damaged or foreign file: compile again and replace it
                 logger.warning("compiled program %s did not load (%s); compiling it again", path, error)
-        compiled = self.jitted.lower(*(named[name] for name in self.parameters if name in named)).compile()
+        with _without_jax_cache():
+            compiled = self.jitted.lower(*(named[name] for name in self.parameters if name in named)).compile()
         try:
             serialized = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError) as error:
@@ -250,6 +252,31 @@ def clear_caches() -> None:
     for function in list(_INSTANCES):
         function.clear()
     jax.clear_caches()
+
+
+@contextlib.contextmanager
+def _without_jax_cache():
+    """Compile afresh rather than from JAX's persistent compilation cache, for a program this
+    cache will serialize: on XLA:CPU an executable JAX's cache deserialized serializes again
+    without its kernels, and the stored program then fails in the next process ("Function
+    add_rsqrt_fusion not found"). That happens whenever `code_version` changes (a source edit, an
+    upgrade) while JAX's cache still holds the program (`tests/clover_jax/core/test_executable_cache.py`).
+    JAX decides once per process whether its cache is used; this sets that decision aside for the
+    compile (other threads compiling meanwhile skip JAX's cache too, which costs them only time)."""
+    from jax._src import compilation_cache as jax_cache
+
+    mutex = getattr(jax_cache, "_cache_initialized_mutex", None)
+    if mutex is None or not hasattr(jax_cache, "_cache_used"):  # another JAX: nothing to set aside
+        yield
+        return
+    with mutex:
+        saved = jax_cache._cache_checked, jax_cache._cache_used
+        jax_cache._cache_checked, jax_cache._cache_used = True, False
+    try:
+        yield
+    finally:
+        with mutex:
+            jax_cache._cache_checked, jax_cache._cache_used = saved
 
 
 def _write_atomically(path: str, data: bytes) -> None:

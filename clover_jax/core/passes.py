@@ -71,10 +71,13 @@ class ModelPasses(abc.ABC):
 
     @abc.abstractmethod
     def run(self, params: Params, input_ids: jax.Array, state: "ModelState", *, num_causal: int, logits_from: int,
-            coreset: bool = False, coreset_top_p: Any = 1.0, distinct_experts: bool = False) -> PassOutput:
+            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None,
+            distinct_experts: bool = False) -> PassOutput:
         """One pass over `input_ids` at the end of `state`'s prefix: the first `num_causal` rows
         causal, the rest block rows, routed within their coreset with `coreset_top_p` when
-        `coreset`; logits of rows `logits_from` onwards; with `distinct_experts`, the number of
+        `coreset`; logits of rows `logits_from` onwards. commit: None, or bool [batch], which
+        sequences append the causal rows (the others keep their state and denoise their block
+        right after it; `clover_jax.core.state.rows_for`). With `distinct_experts`, the number of
         experts the block rows used in each layer (a diagnostic, collected only when asked)."""
 
     @abc.abstractmethod
@@ -105,14 +108,17 @@ class ModelPasses(abc.ABC):
 
     def commit_and_denoise(self, params: Params, committed: jax.Array, block_ids: jax.Array, state: "ModelState",
                            *, coreset: bool, coreset_top_p: Any, committed_logits: bool = False,
-                           distinct_experts: bool = False) -> PassOutput:
+                           commit: jax.Array | None = None, distinct_experts: bool = False) -> PassOutput:
         """Append `committed` (int [batch, C]) to `state` and denoise `block_ids` after it, in one
         pass. logits: the block rows' ([batch, block, vocab]), or with `committed_logits` the
-        committed rows' first ([batch, C + block, vocab])."""
+        committed rows' first ([batch, C + block, vocab]). commit: None (every sequence commits)
+        or bool [batch]: a sequence where it is False commits nothing — its state is left as it
+        is and its block is denoised right after its prefix, as `denoise` would — so sequences at
+        different points of their decode share one pass; `length` comes back per sequence."""
         rows = committed.shape[1]
         return self.run(params, jnp.concatenate([committed, block_ids], axis=1), state, num_causal=rows,
                         logits_from=0 if committed_logits else rows, coreset=coreset, coreset_top_p=coreset_top_p,
-                        distinct_experts=distinct_experts)
+                        commit=commit, distinct_experts=distinct_experts)
 
     def recording_causal(self, params: Params, ids: jax.Array, state: "ModelState") -> PassOutput:
         """A causal pass over `ids` that can be rolled back to any of its rows: pass its state to

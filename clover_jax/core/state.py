@@ -92,19 +92,35 @@ class Rows(NamedTuple):
     """Where the `tokens` rows of one pass sit: cache index `length + i` for row i.
 
     length: int32 [] or [batch], as `ModelState.length`; positions: int32 [batch, tokens] RoPE
-    positions; valid: bool [batch, tokens] (False before start).
+    positions; valid: bool [batch, tokens] (False before start); committed: None when every
+    sequence appends all the pass's causal rows, else int32 [batch], the causal rows each sequence
+    appends (all or none of them, see `rows_for`).
     """
 
     length: jax.Array
     start: jax.Array
     positions: jax.Array
     valid: jax.Array
+    committed: jax.Array | None = None
 
 
-def rows_for(state: ModelState, num_tokens: int) -> Rows:
-    cache_index = jnp.reshape(state.length, (-1, 1)) + jnp.arange(num_tokens, dtype=jnp.int32)  # [1 or b, t]
+def rows_for(state: ModelState, num_tokens: int, num_causal: int = 0, commit: jax.Array | None = None) -> Rows:
+    """The rows of a pass of `num_tokens` rows whose first `num_causal` are causal.
+
+    commit: None, or bool [batch]: which sequences append the causal rows. A sequence that does
+    not leaves its state as it is; its causal rows are computed and discarded, and its block rows
+    sit right after its prefix, where the causal rows would have gone (`length` becomes per sequence).
+    """
+    offsets = jnp.arange(num_tokens, dtype=jnp.int32)
+    committed = None
+    length = state.length
+    if commit is not None:
+        length = jnp.broadcast_to(state.length, commit.shape)
+        committed = jnp.where(commit, num_causal, 0).astype(jnp.int32)
+        offsets = jnp.where(offsets < num_causal, offsets, offsets - (num_causal - committed)[:, None])
+    cache_index = jnp.reshape(length, (-1, 1)) + offsets  # [1 or b, t]
     positions = cache_index - state.start[:, None]
-    return Rows(state.length, state.start, jnp.maximum(positions, 0), positions >= 0)
+    return Rows(length, state.start, jnp.maximum(positions, 0), positions >= 0, committed)
 
 
 def empty_state(config: CloverConfig, batch: int, capacity: int, dtype, start=None) -> ModelState:

@@ -7,7 +7,8 @@ partial RoPE; the attention output is multiplied by `sigmoid(gate)` before `o_pr
 One pass handles `num_causal` causal rows followed by an optional block (docs/design.md §3):
   * causal rows append their K/V to the cache and attend causally to it (at the batch's fill, or
     at each sequence's own when `length` is per sequence: rolling back is setting it, since rows
-    past a sequence's fill are masked and the next pass overwrites them);
+    past a sequence's fill are masked and the next pass overwrites them; a sequence that skips the
+    commit of a pass, `Rows.committed`, is left with its fill, so its rows are discarded the same way);
   * block rows attend to the whole prefix in the cache (after the causal rows) and
     bidirectionally to each other; their K/V are not written.
 """
@@ -69,7 +70,9 @@ class GatedAttention(nn.Module):
                 write = lambda buffer, new: jax.lax.dynamic_update_slice(
                     buffer, new[None].astype(buffer.dtype), (group, 0, rows.length, 0, 0))
             cache = KVCache(write(cache.key, key[:, :causal]), write(cache.value, value[:, :causal]))
-        filled = jnp.reshape(rows.length + causal, (-1, 1, 1))                     # [1 or b, 1, 1]
+        # A sequence that skips the commit (`rows.committed`) wrote its causal rows past its fill: unseen.
+        appended = causal if rows.committed is None else rows.committed
+        filled = jnp.reshape(rows.length + appended, (-1, 1, 1))                   # [1 or b, 1, 1]
         row_index = jnp.reshape(rows.length, (-1, 1)) + jnp.arange(x.shape[1])  # [1 or b, tokens]
         is_causal_row = (jnp.arange(x.shape[1]) < causal)[None, :, None]
 

@@ -180,7 +180,15 @@ class GatedDeltaNet(nn.Module):
                                    state.recurrent)
             if record is not None:
                 record = jax.tree_util.tree_map(put, record, GDNRecord(window, state.recurrent, key, value, decay, beta))
-            state = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
+            advanced = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
+            if rows.committed is not None:  # sequences that skip this commit keep their state
+                if record is not None:
+                    raise ValueError("a recording pass appends its rows for every sequence")
+                keep = rows.committed > 0
+                advanced = jax.tree_util.tree_map(
+                    lambda new, old: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), new, old.astype(new.dtype)),
+                    advanced, state)
+            state = advanced
             stacked = jax.tree_util.tree_map(put, stacked, state)
             cores.append(core)
 

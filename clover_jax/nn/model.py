@@ -140,19 +140,21 @@ class CloverTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
-                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0) -> PassOutput:
+                 logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0,
+                 commit: jax.Array | None = None) -> PassOutput:
         """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
 
         num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
         are computed (a long prefill needs none: pass `tokens`); coreset: route block rows
-        within their coreset with `coreset_top_p`. Applied with the "intermediates" collection
-        mutable, the output's `distinct_experts` holds each layer's distinct experts [layers,
-        batch]; otherwise it is None.
+        within their coreset with `coreset_top_p`; commit: None (every sequence appends its causal
+        rows) or bool [batch], which sequences do (`clover_jax.core.state.rows_for`). Applied with
+        the "intermediates" collection mutable, the output's `distinct_experts` holds each layer's
+        distinct experts [layers, batch]; otherwise it is None.
         """
         config = self.config
         num_tokens = input_ids.shape[1]
         num_causal = num_tokens if num_causal is None else num_causal
-        rows = rows_for(state, num_tokens)
+        rows = rows_for(state, num_tokens, num_causal, commit)
         embedding = Embedding(config, self.dtype, name="embed_tokens")
         hidden = constrain_batch(embedding(input_ids), self.mesh_sharding)
         group_args = (config, self.dtype, self.kernels, self.mesh_sharding)
@@ -182,7 +184,8 @@ class CloverTransformer(nn.Module):
         hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])
         head = embedding.table() if config.tie_word_embeddings else table_param(self, config, "lm_head")
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
-        new_state = ModelState(length=state.length + num_causal, start=state.start, layers=layers)
+        appended = num_causal if rows.committed is None else rows.committed
+        new_state = ModelState(length=rows.length + appended, start=state.start, layers=layers)
         distinct = None if sown is None else self.distinct_by_layer(sown, input_ids.shape[0])
         return PassOutput(logits, new_state, distinct)
 
@@ -209,9 +212,10 @@ class TransformerPasses(ModelPasses):
         return self.module.config
 
     def run(self, params: Params, input_ids: jax.Array, state: ModelState, *, num_causal: int, logits_from: int,
-            coreset: bool = False, coreset_top_p: Any = 1.0, distinct_experts: bool = False) -> PassOutput:
+            coreset: bool = False, coreset_top_p: Any = 1.0, commit: jax.Array | None = None,
+            distinct_experts: bool = False) -> PassOutput:
         run = functools.partial(self.module.apply, {"params": params}, input_ids, state, num_causal=num_causal,
-                                logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p)
+                                logits_from=logits_from, coreset=coreset, coreset_top_p=coreset_top_p, commit=commit)
         return run(mutable=["intermediates"])[0] if distinct_experts else run()
 
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> ModelState:

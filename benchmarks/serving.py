@@ -1,0 +1,201 @@
+"""Serving: the continuous-batching engine (`decoding.engine`, what `clover-jax serve` runs) against
+the same requests through `generate` one at a time.
+
+Two models: the bundled tiny Clover with its task's prompts (it sorts digits; the chat template,
+the checkpoint's decoding controls), and the medium random model of `forward_cost.py` (Qwen3.6's
+layout at a CPU-sized width, 32 experts top-8, float32) with random prompts. Per model, the same
+requests (greedy block diffusion, each with its own prompt) run as:
+
+  * `generate` one request at a time — the baseline;
+  * the engine at concurrency 1, 4 and 16: that many clients in a closed loop, each submitting
+    its next request the moment its previous one finishes (the engine holds up to 16).
+
+Each method's tokens/s is the response tokens of all requests over the wall time of the run.
+Latencies per request: time to first block (submit to the first decided tokens) and time per
+token (submit to finish over its response tokens); medians over requests. An untimed run of
+each method compiles every shape first; then `--rounds` rounds alternate the methods (rotated
+order) and the medians of rounds are reported. Every request's tokens from the engine are
+compared with `generate`'s for it (they must be equal: batching changes nothing).
+
+Target: at concurrency 16, tokens/s >= 3x the one-at-a-time tokens/s, on each model.
+
+Usage: `python benchmarks/serving.py [--rounds 2] [--requests 32] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (REPO_ROOT, alternate, check, emit, machine, ratio, setup_environment,  # noqa: E402
+                               write_random_checkpoint)
+
+setup_environment()
+
+import numpy as np  # noqa: E402
+
+BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
+CONCURRENCY = (1, 4, 16)
+TARGET = 3.0
+
+
+def closed_loop(engine, requests, concurrency: int) -> dict:
+    """Run `requests` through the engine with `concurrency` clients; per request its tokens and
+    times (submitted, first tokens, finished)."""
+    from decoding.engine import EngineEvent
+
+    count = len(requests)
+    tokens = [[] for _ in range(count)]
+    times = np.zeros((count, 3))
+    nfe = [0] * count
+    state = {"next": 0, "done": 0}
+    lock, finished = threading.Lock(), threading.Event()
+
+    def submit_next():
+        with lock:
+            index = state["next"]
+            if index >= count:
+                return
+            state["next"] += 1
+        times[index, 0] = time.perf_counter()
+        engine.submit(requests[index], lambda event, i=index: listen(i, event))
+
+    def listen(index: int, event: EngineEvent):
+        if event.tokens and not tokens[index]:
+            times[index, 1] = time.perf_counter()
+        tokens[index].extend(event.tokens)
+        if event.finish is not None:
+            times[index, 2] = time.perf_counter()
+            nfe[index] = event.stats.nfe
+            with lock:
+                state["done"] += 1
+                if state["done"] == count:
+                    finished.set()
+            submit_next()
+
+    started = time.perf_counter()
+    for _ in range(min(concurrency, count)):
+        submit_next()
+    finished.wait()
+    wall = time.perf_counter() - started
+    return {"wall": wall, "tokens": tokens, "times": times, "nfe": nfe}
+
+
+def one_at_a_time(model, requests) -> dict:
+    """The baseline: `generate` on each request alone, in turn."""
+    from decoding import generate
+
+    tokens, times, nfe = [], np.zeros((len(requests), 3)), []
+    started = time.perf_counter()
+    for index, request in enumerate(requests):
+        times[index, 0] = time.perf_counter()
+        out = generate(model, [list(request.prompt)], **request.overrides)
+        times[index, 1] = times[index, 2] = time.perf_counter()  # alone, the first tokens come with the last
+        tokens.append(out.sequences[0])
+        nfe.append(out.nfe[0])
+    return {"wall": time.perf_counter() - started, "tokens": tokens, "times": times, "nfe": nfe}
+
+
+def summary(runs: dict, reference: list) -> dict:
+    """tokens/s (median over rounds), latencies (medians over requests of the last round), equality."""
+    last = runs["last"]
+    total = sum(len(t) for t in last["tokens"])
+    times = last["times"]
+    per_token = (times[:, 2] - times[:, 0]) / np.maximum([len(t) for t in last["tokens"]], 1)
+    return {"tokens_per_s": total / runs["median"], "tokens_per_s_samples": [total / s for s in runs["samples"]],
+            "response_tokens": total, "mean_nfe": float(np.mean(last["nfe"])),
+            "time_to_first_block_ms": 1e3 * float(np.median(times[:, 1] - times[:, 0])),
+            "time_per_token_ms": 1e3 * float(np.median(per_token)),
+            "request_latency_ms": 1e3 * float(np.median(times[:, 2] - times[:, 0])),
+            "equal_to_generate_alone": sum(a == b for a, b in zip(last["tokens"], reference)) / len(reference)}
+
+
+def measure(name: str, model, requests, rounds: int) -> dict:
+    from decoding.engine import Engine
+
+    engine = Engine(model, max_running=max(CONCURRENCY), max_queue=len(requests))
+    try:
+        methods = {"generate_one_at_a_time": lambda: one_at_a_time(model, requests)}
+        for concurrency in CONCURRENCY:
+            methods[f"engine_concurrency_{concurrency}"] = lambda c=concurrency: closed_loop(engine, requests, c)
+        print(f"serving: {name}: warm-up (compiles every shape) ...", file=sys.stderr)
+        runs = alternate(methods, rounds)
+        reference = runs["generate_one_at_a_time"]["last"]["tokens"]
+        results = {method: summary(run, reference) for method, run in runs.items()}
+    finally:
+        engine.close()
+    base = results["generate_one_at_a_time"]["tokens_per_s"]
+    ratios = {f"concurrency_{c}_over_one_at_a_time": ratio(results[f"engine_concurrency_{c}"]["tokens_per_s"], base)
+              for c in CONCURRENCY}
+    print(f"serving: {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), file=sys.stderr)
+    return {"requests": len(requests), "results": results, "ratios": ratios}
+
+
+def bundled_requests(count: int, max_new_tokens: int):
+    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.training.task import SortDigits
+    from decoding.engine import EngineRequest
+
+    tokenizer, task = Tokenizer.from_pretrained(BUNDLED_DIR), SortDigits()
+    return [EngineRequest(tokenizer.apply_chat_template([{"role": "user", "content": task.user_message(p)}],
+                                                        add_generation_prompt=True, return_dict=False),
+                          overrides={"max_new_tokens": max_new_tokens})
+            for p in task.held_out(count)]
+
+
+def random_requests(count: int, vocab: int, prompt: int, max_new_tokens: int):
+    from decoding.engine import EngineRequest
+
+    rng = np.random.default_rng(0)
+    return [EngineRequest(rng.integers(2, vocab - 1, int(rng.integers(prompt // 2, prompt + 1))).tolist(),
+                          overrides={"max_new_tokens": max_new_tokens}) for _ in range(count)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32, help="requests per run on each model")
+    parser.add_argument("--medium-requests", type=int, default=16, help="requests per run on the medium model")
+    parser.add_argument("--prompt", type=int, default=64, help="longest random prompt (medium model)")
+    parser.add_argument("--new", type=int, default=32, help="max_new_tokens of every request")
+    parser.add_argument("--quick", action="store_true", help="smoke test: the bundled model only, few requests")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.requests = 1, 8
+
+    from benchmarks.forward_cost import MEDIUM
+    from clover_jax import CloverModel
+
+    models = {}
+    models["bundled"] = measure("bundled tiny Clover", CloverModel.from_pretrained(BUNDLED_DIR, progress=False),
+                                bundled_requests(args.requests, args.new), args.rounds)
+    if not args.quick:
+        workdir = tempfile.mkdtemp(prefix="clover-bench-serving-")
+        try:
+            paths = write_random_checkpoint(workdir, MEDIUM, seed=0, clover=True, mask_token_id=MEDIUM["vocab_size"] - 1)
+            model = CloverModel.from_pretrained(paths["clover"], progress=False)
+            models["medium"] = measure("medium random model", model, random_requests(
+                args.medium_requests, MEDIUM["vocab_size"], args.prompt, args.new), args.rounds)
+            models["medium"]["config"] = {k: MEDIUM[k] for k in ("hidden_size", "num_hidden_layers", "num_experts",
+                                                                 "num_experts_per_tok", "vocab_size")}
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    checks = [check(f"serving tokens/s at concurrency 16 / generate one at a time ({name})",
+                    result["ratios"]["concurrency_16_over_one_at_a_time"], TARGET, True)
+              for name, result in models.items()]
+    checks += [check(f"serving tokens equal generate alone ({name}), fraction of requests",
+                     result["results"]["engine_concurrency_16"]["equal_to_generate_alone"], 1.0, True)
+               for name, result in models.items()]
+    emit({"benchmark": "serving", "quick": args.quick, "rounds": args.rounds, "max_new_tokens": args.new,
+          "concurrency": list(CONCURRENCY), "models": models, "checks": checks, "machine": machine()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Starting the server: a model, its tokenizer and an engine behind the HTTP app, on uvicorn.
+
+    clover-jax serve --model DIR_OR_HUB_ID --port 8000            # the command line (clover_jax.api.cli)
+    service = build_service("path/to/checkpoint", max_running=16)  # from Python
+    with ServerThread(create_app(service), port=8000): ...         # in this process, in a thread
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from clover_jax.api.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
+from clover_jax.api.serving.service import Service
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZES = (16, 32, 64)
+
+
+def build_service(path: str, name: str | None = None, max_running: int = 8, max_queue: int = 64,
+                  max_context: int | None = None, block_sizes: tuple[int, ...] | None = None, dtype=None,
+                  revision: str | None = None, progress: bool = False) -> Service:
+    """Load the checkpoint (a directory or a Hub id) and start its engine.
+
+    name: the model's name in the API (default: `path` as given); block_sizes: the block sizes a
+    request may ask for (default: the checkpoint's, 16, 32 and 64)."""
+    from clover_jax.api.clover_model import CloverModel
+    from clover_jax.api.tokenization import Tokenizer
+    from decoding.engine import Engine
+
+    tokenizer = Tokenizer.from_pretrained(path, revision=revision)
+    model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress)
+    engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context)
+    sizes = tuple(block_sizes) if block_sizes else tuple(sorted({engine.defaults.block_size, *DEFAULT_BLOCK_SIZES}))
+    return Service(model, tokenizer, engine, name or str(path), sizes)
+
+
+def warm_up(service: Service) -> float:
+    """One short request through the engine, so that the first client does not wait for the
+    programs of the checkpoint's default decoding to compile; returns the seconds it took."""
+    from decoding.engine import EngineRequest
+
+    started = time.perf_counter()
+    ids = service.tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    service.engine.run([EngineRequest(ids, overrides={"max_new_tokens": 1})])
+    return time.perf_counter() - started
+
+
+def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve until interrupted (uvicorn handles SIGINT/SIGTERM), then stop the engine."""
+    try:
+        uvicorn.run(create_app(service, api_key, max_body_bytes), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    finally:
+        service.engine.close()
+
+
+class ServerThread:
+    """The app served by uvicorn on a thread of this process (tests, notebooks, benchmarks):
+    `with ServerThread(app, port=0) as server: server.url`. port 0 picks a free port."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name="clover-jax-http", daemon=True)
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

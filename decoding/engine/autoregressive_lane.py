@@ -1,0 +1,81 @@
+"""The autoregressive lane: one token per live slot per step, through the causal backbone.
+
+A step chooses each slot's next token from the logits its last forward left
+(`decoding.autoregressive.next_tokens`, the function `generate`'s loop runs, with the request's
+own controls and sampling), then runs the forward of those tokens for every slot at its own
+fill. A slot's first logits come from its prefill. NFE counts as `generate` counts it: the
+prefill, then one forward per token after the first, none after the last.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.core.passes import ModelPasses
+from clover_jax.core.state import ModelState
+from decoding.autoregressive import next_tokens
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes
+
+
+class AutoregressiveSlots(NamedTuple):
+    """The lane's device state; S = slots, V = vocabulary."""
+
+    model: ModelState           # every slot's prompt and response so far but the latest token; length int32 [S]
+    logits: jax.Array           # float32 [S, V]: the next token's
+    counts: jax.Array           # int32 [S, V]: response tokens so far
+    generated: jax.Array        # int32 [S]: response tokens so far
+    max_new_tokens: jax.Array   # int32 [S]
+    prompt_thinking: jax.Array  # bool [S]
+    key: jax.Array              # PRNG keys [S]
+    controls: Controls          # [S] each
+    sample: jax.Array           # bool [S]
+    nfe: jax.Array              # int32 [S]
+
+
+class AutoregressiveReport(NamedTuple):
+    token: jax.Array            # int32 [S]: the token each slot chose in this step
+    finished: jax.Array         # bool [S]: it was the slot's last
+    nfe: jax.Array              # int32 [S]
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "sample"), donate_argnames=("slots",))
+def autoregressive_step(passes: ModelPasses, params: Any, slots: AutoregressiveSlots, alive: jax.Array,
+                        ids: TokenIds, sample: bool) -> tuple[AutoregressiveSlots, AutoregressiveReport]:
+    """Choose every live slot's next token, then run its forward (alive: bool [S])."""
+    controls = slots.controls
+
+    def choose_rows(processed, keys):
+        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
+        if not sample:
+            return greedy
+        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
+            processed, keys, controls)
+        return jax.tree_util.tree_map(lambda g, s: jnp.where(slots.sample[:, None], s, g), greedy, sampled)
+
+    token = next_tokens(slots.logits, slots.counts, slots.generated, slots.prompt_thinking, slots.key, controls,
+                        ids, choose_rows)
+    generated = slots.generated + alive
+    finished = alive & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1) | (generated >= slots.max_new_tokens))
+    counts = slots.counts.at[jnp.arange(token.shape[0]), token].add(alive.astype(jnp.int32))
+    out = passes.causal(params, token[:, None], slots.model)
+    going_on = alive & ~finished
+    model = out.state._replace(length=jnp.where(going_on, out.state.length, slots.model.length))
+    nfe = slots.nfe + going_on
+    slots = slots._replace(model=model, logits=out.logits[:, 0], counts=counts, generated=generated, nfe=nfe)
+    return slots, AutoregressiveReport(token, finished, nfe)
+
+
+def entry(model_state: ModelState, last_logits: jax.Array, max_new_tokens: int, thinking: bool, key: jax.Array,
+          controls: Controls, sample: bool, vocab: int) -> AutoregressiveSlots:
+    """One slot's state for a request whose prompt `model_state` holds; last_logits: float32 [1, V]."""
+    one = lambda value, dtype: np.asarray([value], dtype)
+    return AutoregressiveSlots(
+        model_state._replace(length=jnp.reshape(model_state.length, (1,))), last_logits,
+        np.zeros((1, vocab), np.int32), one(0, np.int32), one(max_new_tokens, np.int32), one(thinking, bool),
+        key[None], jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(sample, bool),
+        one(1, np.int32))

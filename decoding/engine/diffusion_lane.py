@@ -1,0 +1,132 @@
+"""The block-diffusion lane: every active request's current block denoised in one pass per step.
+
+Each slot holds one request at its own block and step (docs/design.md §4 per request). A step
+is one forward over every slot: the slots whose block closed at the previous step commit it in
+the same pass and take the first denoising step of their next block (`commit_and_denoise` with
+a per-sequence `commit` mask), the others take their next denoising step; then
+`decoding.block_loop.denoising_step` — the function `generate`'s loops run — decides every
+slot's positions with that request's own controls, schedule and sampling. So a request decodes
+exactly the steps it would decode alone: same blocks, commits, steps and NFE.
+
+Per-request choices ride in the slots as traced values: the controls (`Controls` of [slots]
+arrays), the schedule (one `ScheduleSwitch` over every named schedule, a per-slot index and
+parameters) and greedy or sampled choice (a per-slot flag; the sampling program is compiled
+only while a sampled request is in the lane). Static per lane: block size, step cap, coreset.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.core.passes import ModelPasses
+from clover_jax.core.state import ModelState
+from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes
+from decoding.schedules import BY_NAME, StepView
+from decoding.schedules.switch import ScheduleSwitch
+
+# Every named schedule, in one switch: a request may bring any of them without a recompile.
+SCHEDULES = ScheduleSwitch(sorted(BY_NAME))
+
+
+class DiffusionLayout(NamedTuple):
+    """What is static in a diffusion lane (changing it compiles another program)."""
+
+    block_size: int
+    steps_cap: int
+    coreset: bool
+
+
+class DiffusionSlots(NamedTuple):
+    """The lane's device state; S = slots, B = block size."""
+
+    model: ModelState           # every slot's prefix; length int32 [S]
+    progress: BlockProgress     # each slot's current block
+    facts: SequenceFacts        # each slot's request
+    controls: Controls          # [S] each
+    schedule: dict              # `SCHEDULES` parameters, leaves [S]
+    sample: jax.Array           # bool [S]: the request samples (else greedy)
+    commit: jax.Array           # bool [S]: its block closed at the last step; the next step commits it
+    nfe: jax.Array              # int32 [S]
+
+
+class DiffusionReport(NamedTuple):
+    """What the host reads after a step (small: no caches, no logits)."""
+
+    closing: jax.Array          # bool [S]: the slot's block closed in this step
+    finished: jax.Array         # bool [S]
+    block: jax.Array            # int32 [S, B]: the slot's block after the step
+    steps: jax.Array            # int32 [S]: denoising steps of the current block
+    nfe: jax.Array              # int32 [S]
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "layout", "commit", "sample"), donate_argnames=("slots",))
+def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, slots: DiffusionSlots,
+                   alive: jax.Array, coreset_top_p: jax.Array, ids: TokenIds, commit: bool,
+                   sample: bool) -> tuple[DiffusionSlots, DiffusionReport]:
+    """One forward over every slot, then one denoising step of each live one.
+
+    alive: bool [S], the slots holding a request (the others compute and are ignored);
+    commit: some live slot commits its block in this pass (else a plain denoising pass);
+    sample: some live slot samples.
+    """
+    progress = slots.progress._replace(finished=slots.progress.finished | ~alive)
+    model = slots.model
+    if commit:
+        pending = slots.commit & alive
+        masks = jnp.full_like(progress.block, ids.mask)
+        block_rows = jnp.where(pending[:, None], masks, progress.block)
+        out = passes.commit_and_denoise(params, progress.block, block_rows, model, coreset=layout.coreset,
+                                        coreset_top_p=coreset_top_p, commit=pending)
+        model = out.state
+        fresh = pending[:, None]
+        progress = progress._replace(
+            block=block_rows, decided=progress.decided & ~fresh, fixed=progress.fixed & ~fresh,
+            block_index=progress.block_index + pending, step=jnp.where(pending, 0, progress.step),
+            post_fill=jnp.where(pending, 0, progress.post_fill), open=progress.open | pending)
+    else:
+        out = passes.denoise(params, progress.block, model, coreset=layout.coreset, coreset_top_p=coreset_top_p)
+
+    controls = slots.controls
+
+    def choose_rows(processed, keys):
+        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
+        if not sample:
+            return greedy
+        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
+            processed, keys, controls)
+        return jax.tree_util.tree_map(lambda g, s: jnp.where(slots.sample[:, None], s, g), greedy, sampled)
+
+    every_field = StepView(*(0,) * len(StepView._fields))
+    rules = StepRules(controls, ids, layout.steps_cap, choose_rows,
+                      lambda view: jax.vmap(SCHEDULES, in_axes=(every_field, 0))(view, slots.schedule))
+    progress, details = denoising_step(progress, slots.facts, out.logits, rules)
+    nfe = slots.nfe + details.active
+    slots = slots._replace(model=model, progress=progress, commit=details.closing & ~progress.finished, nfe=nfe)
+    return slots, DiffusionReport(details.closing, progress.finished, progress.block, progress.step, nfe)
+
+
+def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prompt_length: int,
+          max_new_tokens: int, thinking: bool, key: jax.Array, controls: Controls, schedule: dict, sample: bool,
+          has_prefix: bool, ids: TokenIds, vocab: int) -> DiffusionSlots:
+    """One slot's state for a request whose prefix `model_state` holds (a staging state): its first
+    block is the prompt tail (fixed) then masks, as `generate` lays out a prompt alone."""
+    tail = len(prompt_tail)
+    block = np.full((1, block_size), int(ids.mask), np.int32)
+    block[0, :tail] = prompt_tail
+    fixed = np.arange(block_size)[None, :] < tail
+    one = lambda value, dtype: np.asarray([value], dtype)
+    progress = BlockProgress(block, fixed, fixed, one(0, np.int32), one(0, np.int32), one(0, np.int32),
+                             np.zeros((1, vocab), np.int32), one(False, bool), one(True, bool))
+    facts = SequenceFacts(one(-tail, np.int32), one(prompt_length, np.int32), one(max_new_tokens, np.int32),
+                          one(thinking, bool), key[None])
+    return DiffusionSlots(
+        model_state._replace(length=jnp.reshape(model_state.length, (1,))), progress, facts,
+        jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
+        jax.tree_util.tree_map(lambda value: np.asarray(value)[None], schedule),
+        one(sample, bool), one(False, bool), one(int(has_prefix), np.int32))

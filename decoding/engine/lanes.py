@@ -1,0 +1,282 @@
+"""Lanes on the host: which request holds which slot, the step of each lane, and its size.
+
+A lane serves one kind of request (`LaneKey`: mode, block size, step cap) in a fixed-shape batch
+of slots. Its size is a power of two up to the engine's `max_running`: it doubles when a request
+joins a full lane and halves when no more than a quarter of its slots are live (the live slots
+are moved to the front), so a lane steps about as many rows as it has requests, and the compiled
+step programs are one per size: log2(max_running) + 1 of them, never more. An empty lane is
+dropped (its memory freed) and made again at size 1 when a request comes.
+
+Each lane turns its step's report into per-request events: response tokens and the finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.core.state import ModelState
+from decoding.controls import TokenIds
+from decoding.engine import autoregressive_lane, diffusion_lane, speculative_lane
+from decoding.engine.requests import LaneKey, PreparedRequest
+from decoding.engine.slots import capacity_bucket, empty_staging, put_slot, take_slots
+from decoding.streaming import response_slice
+
+logger = logging.getLogger(__name__)
+
+# A lane of fewer slots keeps its size until it is empty: halving it would save little and cost a
+# program per size visited as requests finish one by one.
+SHRINK_FROM = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelContext:
+    """What every lane reads of the model (the engine builds it once)."""
+
+    passes: Any
+    params: Any
+    vocab: int
+    ids: TokenIds
+    eos: frozenset
+    coreset: bool
+    coreset_top_p: np.float32
+    max_slots: int
+
+
+@dataclasses.dataclass
+class Tracked:
+    """A request the engine holds, on the host."""
+
+    number: int
+    prepared: PreparedRequest
+    listener: Any
+    emitted: int = 0                    # response tokens reported
+    blocks: int = 0                     # diffusion: decoded blocks closed
+    steps_per_block: list = dataclasses.field(default_factory=list)
+    nfe: int = 0
+    commits: bool = False               # diffusion: its block closed; the lane's next step commits it
+    rows: int = 0                       # cache rows it needs: padding + prompt + response (+ a draft)
+    lane: LaneKey | None = None         # set when it joins a lane
+    done: bool = False                  # its last event was delivered
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one step did for one request: tokens to report, and the finish reason if it ended."""
+
+    tracked: Tracked
+    tokens: list[int]
+    finish: str | None
+
+
+class Lane:
+    """Slot bookkeeping shared by the three kinds; subclasses make entries and read reports.
+
+    The lane's shape is (slots, cache rows per slot), both powers of two: slots follow the live
+    requests (doubling when full; from SHRINK_FROM slots up, halving when no more than a quarter
+    are live), rows follow the largest need among them (growing when a longer request joins,
+    shrinking when the longest left needs a quarter or less), so a step costs about what its
+    requests need, and a steady load keeps one shape."""
+
+    def __init__(self, context: ModelContext, key: LaneKey, max_context: int):
+        self.context, self.key, self.max_context = context, key, max_context
+        self.slots: Any = None              # the device state
+        self.occupants: list[Tracked | None] = []
+        self.capacity = 0                   # cache rows per slot
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def size(self) -> int:
+        return len(self.occupants)
+
+    @property
+    def live(self) -> int:
+        return sum(occupant is not None for occupant in self.occupants)
+
+    def alive(self) -> np.ndarray:
+        return np.array([occupant is not None for occupant in self.occupants])
+
+    def rows_for(self, rows: int) -> int:
+        return capacity_bucket(rows, self.max_context)
+
+    def _reshape(self, size: int, capacity: int) -> None:
+        """Move the live slots to the front of a lane of `size` slots of `capacity` rows."""
+        live = [slot for slot, occupant in enumerate(self.occupants) if occupant is not None]
+        indices = np.array(live + [0] * (size - len(live)), np.int32)
+        self.slots, self.capacity = take_slots(self.slots, indices, capacity), capacity
+        self.occupants = [self.occupants[slot] for slot in live] + [None] * (size - len(live))
+
+    def add(self, tracked: Tracked, staging: ModelState, last_logits: jax.Array, joining: int = 0) -> None:
+        """Join a request whose prefix `staging` holds into a free slot; `joining`: more requests
+        about to join this lane (a full lane grows once for all of them)."""
+        entry = self._entry(tracked.prepared, staging, last_logits)
+        capacity = max(self.capacity, self.rows_for(tracked.rows))
+        if self.slots is None:
+            size = _power_of_two(min(1 + joining, self.context.max_slots))
+            self.slots, self.capacity = take_slots(entry, np.zeros(size, np.int32), capacity), capacity
+            self.occupants = [tracked] + [None] * (size - 1)
+            return
+        size = self.size
+        if None not in self.occupants:
+            if size >= self.context.max_slots:
+                raise RuntimeError(f"lane {self.key} is full ({size} slots)")  # the engine admits no more
+            size = min(_power_of_two(self.live + 1 + joining), self.context.max_slots)
+        if (size, capacity) != (self.size, self.capacity):
+            self._reshape(size, capacity)
+        slot = self.occupants.index(None)
+        self.slots = put_slot(self.slots, np.int32(slot), entry)
+        self.occupants[slot] = tracked
+
+    def remove(self, tracked: Tracked) -> None:
+        self.occupants[self.occupants.index(tracked)] = None
+        live = self.requests()
+        if not live:
+            self.drop()  # the memory goes back; a new request makes the lane again
+            return
+        size = self.size // 2 if self.size >= SHRINK_FROM and len(live) <= self.size // 4 else self.size
+        needed = self.rows_for(max(t.rows for t in live))
+        capacity = needed if needed <= self.capacity // 4 else self.capacity
+        if (size, capacity) != (self.size, self.capacity):
+            self._reshape(size, capacity)
+
+    def requests(self) -> list[Tracked]:
+        return [occupant for occupant in self.occupants if occupant is not None]
+
+    def drop(self) -> None:
+        self.slots, self.occupants, self.capacity = None, [], 0
+
+    # ------------------------------------------------------------------ kind-specific
+    def _entry(self, prepared: PreparedRequest, staging: ModelState, last_logits: jax.Array) -> Any:
+        raise NotImplementedError  # each kind of lane defines it
+
+    def step(self) -> list[Outcome]:
+        raise NotImplementedError  # each kind of lane defines it
+
+    def _finish(self, tracked: Tracked, tokens: list[int]) -> str:
+        """"eos" when the response ended on an EOS, else "length"."""
+        return "eos" if tokens and tokens[-1] in self.context.eos else "length"
+
+
+class DiffusionLane(Lane):
+    def __init__(self, context: ModelContext, key: LaneKey, max_context: int):
+        super().__init__(context, key, max_context)
+        self.layout = diffusion_lane.DiffusionLayout(key.block_size, key.steps_cap, context.coreset)
+
+    def _entry(self, prepared, staging, last_logits):
+        size = self.key.block_size
+        tail = prepared.prompt[len(prepared.prompt) - len(prepared.prompt) % size:]
+        config = prepared.config
+        return diffusion_lane.entry(
+            staging, tail, size, len(prepared.prompt), config.max_new_tokens, prepared.thinking,
+            prepared.key, prepared.controls,
+            diffusion_lane.SCHEDULES.params(config.schedule, config.schedule_params, config), config.do_sample,
+            len(prepared.prompt) >= size, self.context.ids, self.context.vocab)
+
+    def add(self, tracked, staging, last_logits, joining=0):
+        super().add(tracked, staging, last_logits, joining)
+        tracked.nfe = int(len(tracked.prepared.prompt) >= self.key.block_size)
+
+    def step(self) -> list[Outcome]:
+        requests = self.requests()
+        commit = any(tracked.commits for tracked in requests)
+        sample = any(tracked.prepared.config.do_sample for tracked in requests)
+        self.slots, report = diffusion_lane.diffusion_step(
+            self.context.passes, self.context.params, self.layout, self.slots, self.alive(),
+            self.context.coreset_top_p, self.context.ids, commit=commit, sample=sample)
+        closing, finished, blocks, steps, nfe = jax.device_get(report)
+        outcomes = []
+        for slot, tracked in enumerate(self.occupants):
+            if tracked is None:
+                continue
+            tracked.nfe = int(nfe[slot])
+            tracked.commits = bool(closing[slot] and not finished[slot])  # the next step commits the block
+            tokens, finish = [], None
+            if closing[slot]:
+                size = self.key.block_size
+                first_row = len(tracked.prepared.prompt) % size if tracked.blocks == 0 else 0
+                tokens, _ = response_slice(blocks[slot], first_row, tracked.prepared.max_new_tokens - tracked.emitted,
+                                           self.context.eos)
+                tracked.blocks += 1
+                tracked.steps_per_block.append(int(steps[slot]))
+            if finished[slot]:
+                finish = self._finish(tracked, tokens)
+            if tokens or finish:
+                outcomes.append(Outcome(tracked, tokens, finish))
+        return outcomes
+
+
+class AutoregressiveLane(Lane):
+    def _entry(self, prepared, staging, last_logits):
+        config = prepared.config
+        return autoregressive_lane.entry(staging, last_logits, config.max_new_tokens, prepared.thinking,
+                                         prepared.key, prepared.controls, config.do_sample,
+                                         self.context.vocab)
+
+    def add(self, tracked, staging, last_logits, joining=0):
+        super().add(tracked, staging, last_logits, joining)
+        tracked.nfe = 1
+
+    def step(self) -> list[Outcome]:
+        alive = self.alive()
+        sample = any(o is not None and o.prepared.config.do_sample for o in self.occupants)
+        self.slots, report = autoregressive_lane.autoregressive_step(
+            self.context.passes, self.context.params, self.slots, alive, self.context.ids, sample=sample)
+        token, finished, nfe = jax.device_get(report)
+        outcomes = []
+        for slot, tracked in enumerate(self.occupants):
+            if tracked is not None:
+                tracked.nfe = int(nfe[slot])
+                tracked.steps_per_block.append(1)
+                tokens = [int(token[slot])]
+                outcomes.append(Outcome(tracked, tokens, self._finish(tracked, tokens) if finished[slot] else None))
+        return outcomes
+
+
+class SpeculativeLane(Lane):
+    def _entry(self, prepared, staging, last_logits):
+        return speculative_lane.entry(staging, prepared.prompt[-1], prepared.config.max_new_tokens, prepared.thinking,
+                                      prepared.controls, len(prepared.prompt) > 1, self.context.vocab)
+
+    def add(self, tracked, staging, last_logits, joining=0):
+        super().add(tracked, staging, last_logits, joining)
+        tracked.nfe = int(len(tracked.prepared.prompt) > 1)
+
+    def step(self) -> list[Outcome]:
+        alive = self.alive()
+        self.slots, report = speculative_lane.speculative_step(
+            self.context.passes, self.context.params, self.key.block_size, self.context.coreset, self.slots, alive,
+            self.context.coreset_top_p, self.context.ids)
+        choices, emitted, finished, nfe = jax.device_get(report)
+        outcomes = []
+        for slot, tracked in enumerate(self.occupants):
+            if tracked is not None:
+                tracked.nfe = int(nfe[slot])
+                tracked.steps_per_block.append(1)
+                tokens = [int(t) for t in choices[slot, :int(emitted[slot])]]
+                outcomes.append(Outcome(tracked, tokens, self._finish(tracked, tokens) if finished[slot] else None))
+        return outcomes
+
+
+LANES = {"diffusion": DiffusionLane, "autoregressive": AutoregressiveLane, "self_speculative": SpeculativeLane}
+
+
+def prefix_length(key: LaneKey, prompt_length: int) -> int:
+    """Prompt tokens a request prefills before it joins its lane: the whole blocks (diffusion; the
+    prompt tail opens the first block), all (autoregressive), all but the pending last token
+    (self-speculative)."""
+    if key.mode == "diffusion":
+        return prompt_length - prompt_length % key.block_size
+    return prompt_length - (key.mode == "self_speculative")
+
+
+def _power_of_two(count: int) -> int:
+    return 1 << max(count - 1, 0).bit_length()
+
+
+def new_staging(context: ModelContext, capacity: int, padding: int) -> ModelState:
+    return empty_staging(context.passes, capacity, jnp.full((1,), padding, jnp.int32))

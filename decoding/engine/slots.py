@@ -1,0 +1,116 @@
+"""Slots: the batch axis of an engine lane, and the programs that write, gather and prefill them.
+
+A lane's device state is a pytree whose every leaf has one slot axis: axis 1 for the prefix
+state's layers (`[groups, slots, ...]`, `clover_jax.core.state`), axis 0 for everything else
+(`ModelState.length` and `start` included: a lane's fill is per slot). `slot_axes` names it for
+each leaf, so one `put_slot` joins a request into any lane and one `take_slots` resizes any lane.
+
+The engine's programs are plain `jax.jit` (JAX's persistent compilation cache keeps them across
+processes) rather than `clover_jax.core.executable_cache.persistent_jit`, whose per-call work
+(describing every argument's pytree) would be paid on every step of a lane, every few milliseconds.
+
+Prefill (`prefill_chunk`) runs a prompt's causal passes on a one-sequence *staging* state with
+the lane's capacity, chunk by chunk: the engine interleaves those chunks with the lanes' steps,
+so a long prompt never stalls the requests already decoding. A prompt is cut into chunks whose
+lengths are `unit` times a power of two, at most `chunk` (`chunk_plan`), so the compiled chunk
+shapes form a small fixed set, and nothing is padded but the first `unit` rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.core.passes import ModelPasses
+from clover_jax.core.state import KVCache, ModelState
+
+
+def slot_axes(tree: Any) -> Any:
+    """The slot axis of every leaf of a lane's state (see the module docstring)."""
+    def axes(node):
+        if isinstance(node, ModelState):
+            return ModelState(0, 0, jax.tree_util.tree_map(lambda _: 1, node.layers))
+        return jax.tree_util.tree_map(lambda _: 0, node)
+
+    return jax.tree_util.tree_map(axes, tree, is_leaf=lambda node: isinstance(node, ModelState))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def put_slot(slots: Any, index: jax.Array, entry: Any) -> Any:
+    """`slots` with slot `index` replaced by `entry` (the same pytree with one slot). The entry's
+    K/V caches may hold fewer rows than the lane's: they fill the slot's first rows, and the rows
+    after them (past the request's fill) are never read."""
+    def put(full, one, axis):
+        start = [0] * full.ndim
+        start[axis] = index
+        return jax.lax.dynamic_update_slice(full, jnp.asarray(one).astype(full.dtype), start)
+
+    return jax.tree_util.tree_map(put, slots, entry, slot_axes(slots))
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def take_slots(slots: Any, indices: jax.Array, capacity: int) -> Any:
+    """A lane of `len(indices)` slots of `capacity` cache rows: slot i is `slots`' slot `indices[i]`
+    (int32 [new slots]), its K/V caches cut or padded to `capacity` rows (the engine never cuts a
+    row a request still needs)."""
+    def take(node, axis):
+        return jnp.take(node, indices, axis=axis)
+
+    taken = jax.tree_util.tree_map(take, slots, slot_axes(slots))
+
+    def fit(node):
+        if not isinstance(node, ModelState):
+            return node
+        layers = {}
+        for name, layer in node.layers.items():
+            if isinstance(layer, KVCache):
+                rows = layer.key.shape[2]
+                cut = lambda a: a[:, :, :capacity] if rows >= capacity else jnp.pad(
+                    a, [(0, 0), (0, 0), (0, capacity - rows)] + [(0, 0)] * (a.ndim - 3))
+                layer = KVCache(cut(layer.key), cut(layer.value))
+            layers[name] = layer
+        return node._replace(layers=layers)
+
+    return jax.tree_util.tree_map(fit, taken, is_leaf=lambda node: isinstance(node, ModelState))
+
+
+def capacity_bucket(rows: int, max_context: int, smallest: int = 64) -> int:
+    """Cache rows for a lane whose requests need up to `rows`: the next power of two (at least
+    `smallest`), or `max_context` above it. A lane's step reads its whole cache when it is short
+    (`clover_jax.nn.online_attention` reads up to 1024 keys in one block; fused attention reads
+    all), so a lane holds about what its requests need, not the model's whole context."""
+    return min(max(smallest, 1 << max(rows - 1, 0).bit_length()), max(max_context, rows))
+
+
+def chunk_plan(length: int, unit: int, chunk: int) -> tuple[int, list[int]]:
+    """How to prefill `length` tokens: (left padding, chunk lengths in order).
+
+    The padding brings the length to a multiple of `unit`; every chunk is `unit` times a power of
+    two and at most `chunk` (a multiple of `unit`): whole chunks first, then the binary digits of the
+    rest, largest first. So at most log2(chunk / unit) + 1 shapes ever compile.
+    """
+    if length <= 0:
+        return 0, []
+    padding = (-length) % unit
+    units, per_chunk = (length + padding) // unit, max(1, chunk // unit)
+    sizes = [per_chunk * unit] * (units // per_chunk)
+    rest = units % per_chunk
+    sizes += [(1 << bit) * unit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+    return padding, sizes
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "capacity"))
+def empty_staging(passes: ModelPasses, capacity: int, start: jax.Array) -> ModelState:
+    """A one-sequence prefix state of `capacity` rows, `start` (int32 [1]) rows of left padding."""
+    return passes.new_state(1, capacity, start)
+
+
+@functools.partial(jax.jit, static_argnames=("passes",), donate_argnames=("state",))
+def prefill_chunk(passes: ModelPasses, params: Any, ids: jax.Array, state: ModelState) -> tuple[jax.Array, ModelState]:
+    """Append one chunk (int32 [1, n]) to a staging state; returns (the last row's logits float32
+    [1, vocab], the state)."""
+    out = passes.causal(params, ids, state, logits_from=ids.shape[1] - 1)
+    return out.logits[:, -1], out.state

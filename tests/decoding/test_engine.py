@@ -1,0 +1,155 @@
+"""The serving engine (decoding/engine) against `generate` on each request alone: continuous
+batching changes nothing — tokens, NFE and denoising steps per block are those of the request
+decoded by itself — for block diffusion with every control and several schedules, sampled
+requests, autoregressive and self-speculative requests, requests that join while others are
+mid-block and leave at different steps; steady traffic never recompiles; cancellation, a failing
+listener and bad requests are confined to their request."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from decoding import generate
+from decoding.engine import Engine, EngineRequest, QueueFull
+from decoding.engine import diffusion_lane, slots
+from tests.conftest import MASK_ID
+from tests.decoding.conftest import THINK_START
+
+# lengths 3..27 with block size 8: no prefix, a tail, one prefix block, three (prefilled in two chunks),
+# one ending in an open <think>
+PROMPTS = [list(range(20, 28)), list(range(30, 41)) + [THINK_START], [40, 41, 42], list(range(50, 77)),
+           [60, 61, 62, 63, 64], list(range(70, 79))]
+# per request: its schedule and controls (a sampled one draws with its seed)
+VARIANTS = [{}, {"schedule": "fixed_k", "schedule_params": {"tokens_per_step": 3}},
+            {"threshold": 0.3, "presence_penalty": 0.0}, {"schedule": "joint_threshold"},
+            {"do_sample": True, "temperature": 1.3, "top_k": 20, "top_p": 0.9}, {"schedule": "fixed_k"}]
+
+
+@pytest.fixture(scope="module")
+def model(small_clover_checkpoint):
+    """The two-layer random Clover with its LM head scaled up, so that denoising steps decide
+    several positions (random weights alone give flat distributions)."""
+    from clover_jax import CloverModel
+
+    loaded = CloverModel.from_pretrained(small_clover_checkpoint, progress=False)
+    params = dict(loaded.params)
+    params["lm_head"] = loaded.params["lm_head"] * 4.0
+    return CloverModel(loaded.config, params, loaded.dtype, loaded.path)
+
+
+@pytest.fixture(scope="module")
+def engine(model, controls_config):
+    with Engine(model, controls_config, max_running=4, max_queue=32) as engine:
+        yield engine
+
+
+def alone(model, config, request: EngineRequest):
+    """`generate` on the request by itself (its seed as generate's key)."""
+    import jax
+
+    out = generate(model, [list(request.prompt)], config, key=jax.random.key(request.seed), mode=request.mode,
+                   **request.overrides)
+    return out.sequences[0], out.nfe[0], out.steps_per_block[0]
+
+
+def test_batched_requests_equal_each_request_alone(engine, model, controls_config):
+    # nine requests of three modes, at most four running: the later ones join while the others are in
+    # the middle of their blocks, and each leaves at its own step
+    requests = [EngineRequest(prompt, overrides=variant, seed=seed)
+                for seed, (prompt, variant) in enumerate(zip(PROMPTS, VARIANTS))]
+    requests += [EngineRequest(PROMPTS[0], "autoregressive"),
+                 EngineRequest(PROMPTS[1], "autoregressive", overrides={"do_sample": True, "temperature": 0.8}, seed=5),
+                 EngineRequest(PROMPTS[3], "self_speculative")]
+    results = engine.run(requests, timeout=900)
+    for request, result in zip(requests, results):
+        tokens, nfe, steps = alone(model, controls_config, request)
+        assert result.error is None
+        assert (result.tokens, result.stats.nfe, len(result.stats.steps_per_block)) == (tokens, nfe, len(steps)), \
+            request
+        if request.mode == "diffusion":
+            assert result.stats.steps_per_block == steps
+        assert result.finish == ("eos" if tokens[-1] in controls_config.eos_token_id else "length")
+    assert any(len(result.stats.steps_per_block) > 1 for result in results[:6])  # several blocks each
+    assert engine.running() == 0
+
+
+def test_steady_traffic_never_recompiles(engine):
+    """Prompts of other lengths in the same buckets, other controls, schedules and seeds: no new program."""
+    def traffic(offset: int):
+        return [EngineRequest([30 + offset + i for i in range(9 + offset)], overrides=variant, seed=offset + k)
+                for k, variant in enumerate(VARIANTS[:4])]
+
+    engine.run(traffic(0), timeout=600)
+    programs = [diffusion_lane.diffusion_step, slots.put_slot, slots.take_slots, slots.prefill_chunk]
+    compiled = [program._cache_size() for program in programs]
+    engine.run(traffic(3), timeout=600)
+    assert [program._cache_size() for program in programs] == compiled
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_decode_as_alone(engine, model, controls_config):
+    started = threading.Event()
+    handle_box = []
+
+    def listen(event):
+        started.set()
+
+    long = EngineRequest(PROMPTS[0], overrides={"max_new_tokens": 40, "dllm_length_penalty": 0.0})
+    handle_box.append(engine.submit(long, listen))
+    started.wait(300)
+    handle_box[0].cancel()
+    others = [EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[2])]
+    for request, result in zip(others, engine.run(others, timeout=600)):
+        assert result.tokens == alone(model, controls_config, request)[0]
+    assert engine.running() == 0
+
+
+def test_a_failing_listener_ends_its_request_alone(engine, model, controls_config):
+    def fail(event):
+        raise RuntimeError("listener bug")
+
+    engine.submit(EngineRequest(PROMPTS[1]), fail)
+    request = EngineRequest(PROMPTS[0])
+    assert engine.run([request], timeout=600)[0].tokens == alone(model, controls_config, request)[0]
+    assert engine.running() == 0
+
+
+def test_bounded_queue(model, controls_config):
+    release = threading.Event()
+    with Engine(model, controls_config, max_running=1, max_queue=1) as engine:
+        engine.submit(EngineRequest(PROMPTS[0]), lambda event: release.wait(60))  # holds the engine's thread
+        engine.submit(EngineRequest(PROMPTS[1]), lambda event: None)             # waits in the queue
+        with pytest.raises(QueueFull):
+            engine.submit(EngineRequest(PROMPTS[2]), lambda event: None)
+        release.set()
+
+
+@pytest.mark.parametrize("request_, message", [
+    (EngineRequest([1, MASK_ID]), "contains the mask token id"),
+    (EngineRequest([1, 2, 3], overrides={"max_new_tokens": 300}), "exceeds the engine's context of 256"),
+    (EngineRequest([1, 2, 3], "self_speculative", overrides={"do_sample": True}), "self-speculative decoding is greedy"),
+    (EngineRequest([1, 2], overrides={"schedule": lambda view, params: view.decided}), "named schedules"),
+    (EngineRequest([1, 2], overrides={"block_alignment": "prompt"}), "absolute positions"),
+    (EngineRequest([1, 2], overrides={"coreset": False}), "coreset setting"),
+    (EngineRequest([1, 2], overrides={"eos_token_id": 3}), "eos_token_id is the engine's"),
+    (EngineRequest([1, 2], overrides={"schedule": "fixed_k", "schedule_params": {"tokens_per_step": 0}}),
+     "tokens_per_step must be >= 1"),
+    (EngineRequest([1, 2], mode="beam"), "mode must be one of"),
+    (EngineRequest([1, 2], seed=-1), "seed must be an integer"),
+])
+def test_bad_requests_are_refused_before_compute(model, controls_config, request_, message):
+    with Engine(model, controls_config, max_running=2, max_context=256) as engine:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(request_, lambda event: None)
+        assert engine.steps == 0 and engine.running() == 0
+
+
+def test_chunk_plan_covers_the_prompt_with_few_shapes():
+    assert slots.chunk_plan(0, 8, 64) == (0, [])
+    assert slots.chunk_plan(13, 8, 64) == (3, [16])
+    assert slots.chunk_plan(200, 8, 64) == (0, [64, 64, 64, 8])
+    assert slots.chunk_plan(48, 16, 2048) == (0, [32, 16])
+    for length in range(1, 300):
+        padding, sizes = slots.chunk_plan(length, 8, 64)
+        assert sum(sizes) == length + padding and padding < 8 and all(s in (8, 16, 32, 64) for s in sizes)
