@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process, thinking_open
+from decoding.controls import Controls, TokenIds, choose, process_batch
 
 
 class AutoregressiveSpec(NamedTuple):
@@ -42,9 +42,7 @@ def next_tokens(logits: jax.Array, counts: jax.Array, index: jax.Array, prompt_t
     [b, vocab] of the response so far), then `choose_rows(processed [b, 1, vocab], keys [b])`,
     sequence i drawing from fold_in(sequence_keys[i], index[i]). controls: one for the batch
     (scalars) or one per sequence ([b] arrays). Shared by `run_autoregressive` and the serving engine."""
-    thinking = thinking_open(counts, prompt_thinking, ids)
-    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, per_sequence_axes(controls), None))(
-        logits[:, None], counts, index[:, None], thinking, controls, ids)
+    processed = process_batch(logits[:, None], counts, index[:, None], prompt_thinking, controls, ids)
     keys = jax.vmap(jax.random.fold_in)(sequence_keys, index)
     return choose_rows(processed, keys).token[:, 0]
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.state import ModelState
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process
+from decoding.controls import Controls, TokenIds, choose, process_batch
 from decoding.schedules import StepView, as_decision
 
 
@@ -70,6 +70,7 @@ class Request(NamedTuple):
     has_prefix: jax.Array        # bool [b]: the sequence alone would have run a prefill
     key: jax.Array               # the call's PRNG key; sequence i samples from fold_in(key, i)
     coreset_top_p: jax.Array     # float32 []
+    threshold: jax.Array         # float32 []: τ, which the schedule sees as `StepView.threshold`
     schedule_params: Any         # the schedule's parameters (a pytree of traced scalars)
 
 
@@ -154,6 +155,7 @@ class SequenceFacts(NamedTuple):
     prompt_length: jax.Array     # int32: P
     max_new_tokens: jax.Array    # int32
     prompt_thinking: jax.Array   # bool: the prompt ends inside an unclosed <think>
+    threshold: jax.Array         # float32: the generation config's τ, as the schedule sees it
     key: jax.Array               # the sequence's PRNG key (a step draws from fold_in(fold_in(key, block), step))
 
 
@@ -184,32 +186,52 @@ class StepDetails(NamedTuple):
 def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array,
                    rules: StepRules) -> tuple[BlockProgress, StepDetails]:
     """Decide positions of every active sequence's block from one forward's logits ([b, B, V]):
-    `process`, the choice of candidates, the schedule, the step cap, the counts and whether the
-    block closes and the sequence finishes (docs/design.md §4, §7). Shared by `generate`'s loops
-    and the serving engine, which batches sequences at different blocks and steps."""
-    controls, ids = rules.controls, rules.ids
+    choose the candidates, let the schedule decide, apply the decision (docs/design.md §4, §7).
+    Shared by `generate`'s loops and the serving engine, which batches sequences at different
+    blocks and steps."""
+    size = progress.block.shape[1]
+    response_index = facts.response_base[:, None] + progress.block_index[:, None] * size + jnp.arange(size)[None, :]
+    choice, keys = _choose(progress, facts, logits, response_index, rules)
+    decision = _decide(progress, facts, choice, keys, response_index, rules)
+    return _apply(progress, facts, choice, decision, response_index, rules)
+
+
+def _choose(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, response_index: jax.Array,
+            rules: StepRules):
+    """The controls (`process`) and each position's candidate token with its confidence, margin
+    and entropy; the step's key per sequence."""
+    processed = process_batch(logits, progress.counts, response_index, facts.prompt_thinking, rules.controls,
+                              rules.ids)
+    keys = jax.vmap(lambda key, block, step: jax.random.fold_in(jax.random.fold_in(key, block), step))(
+        facts.key, progress.block_index, progress.step)
+    return rules.choose(processed, keys), keys
+
+
+def _decide(progress: BlockProgress, facts: SequenceFacts, choice, keys: jax.Array, response_index: jax.Array,
+            rules: StepRules):
+    """The schedule's decision on what the block holds after the step."""
+    batch = progress.block.shape[0]
+    view = StepView(
+        tokens=progress.block, candidates=choice.token, confidence=choice.confidence, margin=choice.margin,
+        entropy=choice.entropy, decided=progress.decided, fixed=progress.fixed,
+        positions=facts.prompt_length[:, None] + response_index, step=progress.step,
+        block_index=progress.block_index, steps_cap=jnp.full((batch,), rules.steps_cap, jnp.int32),
+        post_fill_steps=progress.post_fill, threshold=facts.threshold,
+        key=jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
+    return as_decision(rules.schedule(view))
+
+
+def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, response_index: jax.Array,
+           rules: StepRules) -> tuple[BlockProgress, StepDetails]:
+    """The decision applied to the active sequences: the step cap, fills, edits and remasks, the
+    counts, and whether the block closes and the sequence finishes."""
+    ids, steps_cap = rules.ids, rules.steps_cap
     batch, size = progress.block.shape
-    rows = jnp.arange(size)
     step, decided, fixed, current = progress.step, progress.decided, progress.fixed, progress.block
     active = ~progress.finished & progress.open
-    response_index = facts.response_base[:, None] + progress.block_index[:, None] * size + rows[None, :]
     is_response = response_index >= 0
-
-    thinking = (facts.prompt_thinking | (_count(progress.counts, ids.think_start) > 0)) & \
-        (_count(progress.counts, ids.think_end) == 0)
-    control_axes = per_sequence_axes(controls)
-    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, control_axes, None))(
-        logits, progress.counts, response_index, thinking, controls, ids)
-    keys = jax.vmap(lambda key, block, s: jax.random.fold_in(jax.random.fold_in(key, block), s))(
-        facts.key, progress.block_index, step)
-    choice = rules.choose(processed, keys)
     full_before = jnp.all(decided, axis=-1)
-    view = StepView(current, choice.token, choice.confidence, choice.margin, choice.entropy, decided, fixed,
-                    facts.prompt_length[:, None] + response_index, step, progress.block_index,
-                    jnp.full((batch,), rules.steps_cap, jnp.int32), progress.post_fill,
-                    jnp.broadcast_to(controls.threshold, (batch,)), jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
-    decision = as_decision(rules.schedule(view))
-    forced = decision.decided | fixed | (step[:, None] + 1 >= rules.steps_cap)
+    forced = decision.decided | fixed | (step[:, None] + 1 >= steps_cap)
     after = jnp.where(active[:, None], forced, decided)
     filled, remasked = after & ~decided, decided & ~after
     edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
@@ -220,7 +242,7 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
     counts = progress.counts.at[batch_rows, choice.token].add(added).at[batch_rows, current].add(-removed)
 
     # A full block stays open while its schedule asks for more (editing) steps, at most steps_cap of them.
-    keep_open = decision.keep_open & (progress.post_fill + full_before < rules.steps_cap)
+    keep_open = decision.keep_open & (progress.post_fill + full_before < steps_cap)
     closing = active & jnp.all(after, axis=-1) & ~keep_open
     inside = is_response & (response_index < facts.max_new_tokens[:, None])
     has_eos = jnp.any(inside & jnp.any(block[..., None] == ids.eos, axis=-1), axis=-1)
@@ -229,7 +251,8 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
     progress = progress._replace(block=block, decided=after, step=step + active,
                                  post_fill=progress.post_fill + (active & full_before), counts=counts,
                                  finished=finished, open=progress.open & ~closing)
-    return progress, StepDetails(active, choice, filled & active[:, None], edited, remasked, ~decided, closing)
+    return progress, StepDetails(active=active, choice=choice, filled=filled & active[:, None], edited=edited,
+                                 remasked=remasked, masked_before=~decided, closing=closing)
 
 
 def _denoise_logits(d: Decoder, state: LoopState):
@@ -239,25 +262,33 @@ def _denoise_logits(d: Decoder, state: LoopState):
 
 
 def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
-    """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the per-block
-    outputs and the history recorded at the batch's block."""
+    """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the step recorded."""
     spec, request, controls = d.spec, d.request, d.controls
     batch = state.block.shape[0]
-    block_iter = state.block_iter
-    progress = BlockProgress(state.block, state.decided, state.fixed, jnp.broadcast_to(block_iter, (batch,)),
-                             state.step, state.post_fill, state.counts, state.finished, state.open)
-    facts = SequenceFacts(request.response_base, request.prompt_length, request.max_new_tokens,
-                          request.prompt_thinking,
-                          jax.vmap(lambda i: jax.random.fold_in(request.key, i))(jnp.arange(batch)))
-    per_sequence = StepView(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    progress = BlockProgress(
+        block=state.block, decided=state.decided, fixed=state.fixed,
+        block_index=jnp.broadcast_to(state.block_iter, (batch,)), step=state.step, post_fill=state.post_fill,
+        counts=state.counts, finished=state.finished, open=state.open)
+    facts = SequenceFacts(
+        response_base=request.response_base, prompt_length=request.prompt_length,
+        max_new_tokens=request.max_new_tokens, prompt_thinking=request.prompt_thinking,
+        threshold=jnp.broadcast_to(request.threshold, (batch,)),
+        key=jax.vmap(lambda i: jax.random.fold_in(request.key, i))(jnp.arange(batch)))
     rules = StepRules(
-        controls, d.ids, spec.steps_cap,
-        lambda processed, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys),
-        lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(per_sequence, None))(view, request.schedule_params)))
+        controls=controls, ids=d.ids, steps_cap=spec.steps_cap,
+        choose=lambda processed, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys),
+        schedule=lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(0, None))(view, request.schedule_params)))
     progress, details = denoising_step(progress, facts, logits, rules)
+    return _record_step(spec, state, progress, details, distinct)
 
+
+def _record_step(spec: LoopSpec, state: LoopState, progress: BlockProgress, details: StepDetails,
+                 distinct: jax.Array) -> LoopState:
+    """The loop state after a step: the block's progress, and what the outputs keep of it (the
+    decided block, its steps, each position's fill step and confidence, the experts, the history)."""
+    batch = state.block.shape[0]
     active, filled, closing, choice = details.active, details.filled, details.closing, details.choice
-    slot = (jnp.arange(batch), block_iter)
+    slot = (jnp.arange(batch), state.block_iter)
     fill_step = state.fill_step.at[slot].set(jnp.where(filled, progress.step[:, None], state.fill_step[slot]))
     fill_confidence = state.fill_confidence.at[slot].set(
         jnp.where(filled, choice.confidence, state.fill_confidence[slot]))
@@ -267,13 +298,11 @@ def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.A
     steps_per_block = state.steps_per_block.at[slot].set(
         jnp.where(closing, progress.step, state.steps_per_block[slot]))
 
-    record = dict(active=active, block_index=block_iter, masked_before=details.masked_before,
+    record = dict(active=active, block_index=state.block_iter, masked_before=details.masked_before,
                   candidate=choice.token, confidence=choice.confidence, margin=choice.margin,
                   entropy=choice.entropy, filled=filled,
                   changed=(details.edited | details.remasked) & active[:, None])
-    history = state.history
-    if spec.history:
-        history = _record(history, record, active)
+    history = _record(state.history, record, active) if spec.history else state.history
     return state._replace(
         block=progress.block, decided=progress.decided, step=progress.step, open=progress.open,
         post_fill=progress.post_fill, counts=progress.counts, finished=progress.finished, tokens=tokens,
@@ -403,7 +432,3 @@ def next_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request
     d = Decoder(passes, params, spec, request, controls, ids)
     return _commit_step(d, state) if commit else _denoise_step(d, state)
 
-
-def _count(counts: jax.Array, token: jax.Array) -> jax.Array:
-    """counts[:, token], or 0 when the token id is -1 (absent)."""
-    return jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)

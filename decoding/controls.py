@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 
 class Controls(NamedTuple):
-    """The numeric controls, traced (changing them does not recompile)."""
+    """The numeric controls `process` and `choose` read, traced (changing them does not recompile).
+    The threshold τ is not one of them: it is the schedule's (its parameters, and `StepView.threshold`)."""
 
     repetition_penalty: jax.Array
     frequency_penalty: jax.Array
@@ -27,7 +28,6 @@ class Controls(NamedTuple):
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    threshold: jax.Array
 
 
 class TokenIds(NamedTuple):
@@ -50,6 +50,19 @@ def thinking_open(counts: jax.Array, prompt_thinking: jax.Array, ids: TokenIds) 
     counts: int32 [b, vocab], the response so far; prompt_thinking: bool [b]."""
     count = lambda token: jnp.where(token >= 0, counts[:, jnp.maximum(token, 0)], 0)
     return (prompt_thinking | (count(ids.think_start) > 0)) & (count(ids.think_end) == 0)
+
+
+def process_batch(logits: jax.Array, counts: jax.Array, response_index: jax.Array, prompt_thinking: jax.Array,
+                  controls: Controls, ids: TokenIds) -> jax.Array:
+    """`process` for every sequence of a batch, with each one's thinking state from its counts: the
+    one per-step controls helper of the block-diffusion, autoregressive and self-speculative loops.
+
+    logits: float32 [b, rows, vocab]; counts: int32 [b, vocab], the response so far; response_index:
+    int32 [b, rows]; prompt_thinking: bool [b]; controls: one for the batch (scalars) or one per
+    sequence ([b] arrays). returns float32 [b, rows, vocab]."""
+    thinking = thinking_open(counts, prompt_thinking, ids)
+    return jax.vmap(process, in_axes=(0, 0, 0, 0, per_sequence_axes(controls), None))(
+        logits, counts, response_index, thinking, controls, ids)
 
 
 def ramp(t: jax.Array, start: jax.Array, window: jax.Array) -> jax.Array:

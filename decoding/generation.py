@@ -14,13 +14,14 @@ import logging
 import math
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
+from clover_jax.core.passes import ModelPasses
 from decoding.block_loop import History, next_block, next_step, results, start_blocks, start_steps
 from decoding.generation_config import GenerationConfig
 from decoding.layouts import (MODES, autoregressive_call, bucket, controls_of, coreset_of, diffusion_call,
@@ -50,15 +51,29 @@ class GenerateOutput:
     history: History | None = None  # with return_history=True: every denoising step, NumPy arrays [b, S, ...]
 
 
+class DecodingModel(Protocol):
+    """What `generate` needs of a model (`clover_jax.CloverModel` is one): its config (vocabulary,
+    context, model type, coreset defaults), its pass interface and the parameters it runs with,
+    the prefill's chunk size, a memory check that raises before a call that cannot fit, and
+    optionally `path`, the checkpoint directory whose generation_config.json gives the defaults."""
+
+    config: Any
+    passes: ModelPasses
+    run_params: Any
+    chunk_size: int
+
+    def check_memory(self, batch: int, capacity: int, block_size: int) -> None: ...
+
+
 @functools.lru_cache(maxsize=1)
 def _default_key() -> jax.Array:
     return jax.random.key(0)
 
 
-__all__ = ["GenerateOutput", "MODES", "bucket", "generate"]
+__all__ = ["DecodingModel", "GenerateOutput", "MODES", "bucket", "generate"]
 
 
-def generate(model, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
+def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
              key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
              return_history: bool = False, on_block: BlockListener | None = None, streamer: Any = None,
              on_step: Callable[[dict], None] | None = None, progress: bool = False,
@@ -121,7 +136,7 @@ def generate(model, prompts: Sequence[Sequence[int]], generation_config: Generat
 
 
 # ---------------------------------------------------------------------- validation
-def resolve_config(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+def resolve_config(model: DecodingModel, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
     config = model_defaults(model) if generation_config is None else _completed(model, generation_config)
     if overrides:
         config = config.replace(**overrides)
@@ -133,7 +148,7 @@ def resolve_config(model, generation_config: GenerationConfig | None, overrides:
 _DEFAULTS: "weakref.WeakKeyDictionary[Any, tuple[Any, GenerationConfig]]" = weakref.WeakKeyDictionary()
 
 
-def model_defaults(model) -> GenerationConfig:
+def model_defaults(model: DecodingModel) -> GenerationConfig:
     """The checkpoint's generation config, read once per model (and again if `model.path` changes)."""
     path = getattr(model, "path", None)
     cached = _DEFAULTS.get(model)
@@ -145,12 +160,12 @@ def model_defaults(model) -> GenerationConfig:
     return cached[1]
 
 
-def _completed(model, config: GenerationConfig) -> GenerationConfig:
+def _completed(model: DecodingModel, config: GenerationConfig) -> GenerationConfig:
     """The special token ids a generation config leaves out, from config.json and the tokenizer."""
     return config.with_token_ids(model.config, getattr(model, "path", None))
 
 
-def check_prompts(model, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
+def check_prompts(model: DecodingModel, prompts, config: GenerationConfig, mode: str) -> list[list[int]]:
     vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")

@@ -50,11 +50,13 @@ def controls_of(config: GenerationConfig) -> Controls:
     """The traced numeric controls of a generation config."""
     # NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each.
     f = np.float32
-    return Controls(f(config.repetition_penalty), f(config.frequency_penalty), f(config.presence_penalty),
-                    f(config.dllm_length_penalty), f(config.dllm_length_penalty_start),
-                    f(config.dllm_length_penalty_window), f(config.dllm_think_end_bias),
-                    f(config.dllm_think_end_start), f(config.dllm_think_end_window), f(config.temperature),
-                    np.int32(config.top_k), f(config.top_p), f(config.threshold))
+    return Controls(
+        repetition_penalty=f(config.repetition_penalty), frequency_penalty=f(config.frequency_penalty),
+        presence_penalty=f(config.presence_penalty), length_penalty=f(config.dllm_length_penalty),
+        length_start=f(config.dllm_length_penalty_start), length_window=f(config.dllm_length_penalty_window),
+        think_end_bias=f(config.dllm_think_end_bias), think_end_start=f(config.dllm_think_end_start),
+        think_end_window=f(config.dllm_think_end_window), temperature=f(config.temperature),
+        top_k=np.int32(config.top_k), top_p=f(config.top_p))
 
 
 def token_ids_of(config: GenerationConfig) -> TokenIds:
@@ -130,9 +132,12 @@ def diffusion_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[
         prefix_ids[i, start[i]:] = in_prefix
         first_block[i, :tails[i]] = prompt[len(prompt) - tails[i]:]
     fixed = np.arange(size)[None, :] < tails[:, None]
-    request = Request(prefix_ids, first_block, fixed, start, (-tails).astype(np.int32), lengths.astype(np.int32),
-                      np.full(len(prompts), new, np.int32), thinking, lengths - tails > 0, key,
-                      np.float32(coreset_top_p), resolve_params(config.schedule, config.schedule_params, config))
+    request = Request(
+        prefix_ids=prefix_ids, first_block=first_block, fixed=fixed, start=start,
+        response_base=(-tails).astype(np.int32), prompt_length=lengths.astype(np.int32),
+        max_new_tokens=np.full(len(prompts), new, np.int32), prompt_thinking=thinking, has_prefix=lengths - tails > 0,
+        key=key, coreset_top_p=np.float32(coreset_top_p), threshold=np.float32(config.threshold),
+        schedule_params=resolve_params(config.schedule, config.schedule_params, config))
     return LoopCall(run_block_decoder, (passes, params, spec, request, controls, ids),
                     prefix_length + spec.max_blocks * size, size, tails, lengths)
 

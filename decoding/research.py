@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import jax
-import numpy as np
 from tqdm.auto import tqdm
 
 from decoding import schedules as schedule_registry

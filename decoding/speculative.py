@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.state import ModelState
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process, thinking_open
+from decoding.controls import Controls, TokenIds, choose, process_batch
 
 
 class SpeculativeSpec(NamedTuple):
@@ -92,12 +92,11 @@ class SpeculativeState(NamedTuple):
     round: jax.Array             # int32 []
 
 
-def greedy_processed(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thinking: jax.Array,
+def greedy_processed(logits: jax.Array, counts: jax.Array, response_index: jax.Array, prompt_thinking: jax.Array,
                      controls: Controls, ids: TokenIds) -> jax.Array:
     """int32 [b, rows]: `process` then greedy, per sequence. logits: [b, rows, vocab]; response_index: [b, rows];
     controls: one for the batch (scalars) or one per sequence ([b] arrays)."""
-    processed = jax.vmap(process, in_axes=(0, 0, 0, 0, per_sequence_axes(controls), None))(
-        logits, counts, response_index, thinking, controls, ids)
+    processed = process_batch(logits, counts, response_index, prompt_thinking, controls, ids)
     return jax.vmap(lambda rows: choose(rows, controls, False, None).token)(processed)  # greedy: no control read
 
 
@@ -111,8 +110,8 @@ def causal_choices(logits: jax.Array, drafts: jax.Array, counts: jax.Array, leng
 
     def row(counts, inputs):
         logits_j, draft_j, j = inputs
-        thinking = thinking_open(counts, prompt_thinking, ids)
-        token = greedy_processed(logits_j[:, None], counts, (lengths + j)[:, None], thinking, controls, ids)[:, 0]
+        token = greedy_processed(logits_j[:, None], counts, (lengths + j)[:, None], prompt_thinking, controls,
+                                 ids)[:, 0]
         return counts.at[jnp.arange(batch), draft_j].add(1), token
 
     _, tokens = jax.lax.scan(row, counts, (jnp.moveaxis(logits, 1, 0), after.T, jnp.arange(after.shape[1])))
@@ -149,8 +148,7 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
     draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
                                       coreset_top_p=coreset_top_p, committed_logits=True,
                                       distinct_experts=distinct_experts)
-    thinking = thinking_open(counts, prompt_thinking, ids)
-    drafts = greedy_processed(draft.logits[:, 1:], counts, lengths[:, None] + rows, thinking, controls, ids)
+    drafts = greedy_processed(draft.logits[:, 1:], counts, lengths[:, None] + rows, prompt_thinking, controls, ids)
     verify = passes.recording_causal(params, drafts, draft.state)
     logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
     choices = causal_choices(logits, drafts, counts, lengths, prompt_thinking, controls, ids)

@@ -27,7 +27,7 @@ from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
 from decoding.controls import Controls, TokenIds, choose, per_sequence_axes
-from decoding.schedules import BY_NAME, StepView
+from decoding.schedules import BY_NAME
 from decoding.schedules.switch import ScheduleSwitch
 
 # Every named schedule, in one switch: a request may bring any of them without a recompile.
@@ -102,9 +102,8 @@ def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, sl
             processed, keys, controls)
         return jax.tree_util.tree_map(lambda g, s: jnp.where(slots.sample[:, None], s, g), greedy, sampled)
 
-    every_field = StepView(*(0,) * len(StepView._fields))
-    rules = StepRules(controls, ids, layout.steps_cap, choose_rows,
-                      lambda view: jax.vmap(SCHEDULES, in_axes=(every_field, 0))(view, slots.schedule))
+    rules = StepRules(controls=controls, ids=ids, steps_cap=layout.steps_cap, choose=choose_rows,
+                      schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))
     progress, details = denoising_step(progress, slots.facts, out.logits, rules)
     nfe = slots.nfe + details.active
     slots = slots._replace(model=model, progress=progress, commit=details.closing & ~progress.finished, nfe=nfe)
@@ -113,7 +112,7 @@ def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, sl
 
 def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prompt_length: int,
           max_new_tokens: int, thinking: bool, key: jax.Array, controls: Controls, schedule: dict, sample: bool,
-          has_prefix: bool, ids: TokenIds, vocab: int) -> DiffusionSlots:
+          has_prefix: bool, ids: TokenIds, vocab: int, *, threshold: float) -> DiffusionSlots:
     """One slot's state for a request whose prefix `model_state` holds (a staging state): its first
     block is the prompt tail (fixed) then masks, as `generate` lays out a prompt alone."""
     tail = len(prompt_tail)
@@ -121,10 +120,12 @@ def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prom
     block[0, :tail] = prompt_tail
     fixed = np.arange(block_size)[None, :] < tail
     one = lambda value, dtype: np.asarray([value], dtype)
-    progress = BlockProgress(block, fixed, fixed, one(0, np.int32), one(0, np.int32), one(0, np.int32),
-                             np.zeros((1, vocab), np.int32), one(False, bool), one(True, bool))
-    facts = SequenceFacts(one(-tail, np.int32), one(prompt_length, np.int32), one(max_new_tokens, np.int32),
-                          one(thinking, bool), key[None])
+    progress = BlockProgress(block=block, decided=fixed, fixed=fixed, block_index=one(0, np.int32),
+                             step=one(0, np.int32), post_fill=one(0, np.int32), counts=np.zeros((1, vocab), np.int32),
+                             finished=one(False, bool), open=one(True, bool))
+    facts = SequenceFacts(response_base=one(-tail, np.int32), prompt_length=one(prompt_length, np.int32),
+                          max_new_tokens=one(max_new_tokens, np.int32), prompt_thinking=one(thinking, bool),
+                          threshold=one(threshold, np.float32), key=key[None])
     return DiffusionSlots(
         model_state._replace(length=jnp.reshape(model_state.length, (1,))), progress, facts,
         jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),

@@ -33,7 +33,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np

@@ -175,7 +175,7 @@ class DiffusionLane(Lane):
             staging, tail, size, len(prepared.prompt), config.max_new_tokens, prepared.thinking,
             prepared.key, prepared.controls,
             diffusion_lane.SCHEDULES.params(config.schedule, config.schedule_params, config), config.do_sample,
-            len(prepared.prompt) >= size, self.context.ids, self.context.vocab)
+            len(prepared.prompt) >= size, self.context.ids, self.context.vocab, threshold=config.threshold)
 
     def add(self, tracked, staging, last_logits, joining=0):
         super().add(tracked, staging, last_logits, joining)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 from clover_jax import CloverModel

@@ -9,7 +9,6 @@ commit is fused with the next block's first step and the last block is not commi
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import numpy as np
