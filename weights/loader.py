@@ -72,9 +72,11 @@ def load_params(
         sources, skipped = _match_tensors(files, config, placements, dict(name_map or {}), strict)
         defaulted = [name for name in placements if name not in sources]
         if defaulted:
+            values = {name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]:
+                      placements[name].default for name in defaulted}  # the parameter table's defaults
             logger.info("%d Clover block-mode tensors are absent from %s; using the defaults of docs/design.md §2 "
-                        "(conv1d_right 0, block_logit_scale ln(sqrt(key_head_dim)), memory_logit_bias 0, "
-                        "block_size_calibration 0)", len(defaulted), os.fspath(directory))
+                        "(%s)", len(defaulted), os.fspath(directory),
+                        ", ".join(f"{name} {value:.6g}" for name, value in sorted(values.items())))
         _check_shapes_and_dtypes(files, placements, sources)
         target_dtype = np.dtype(dtype if dtype is not None else _checkpoint_dtype(files))
         if target_dtype not in FLOAT_DTYPES.values():
