@@ -9,7 +9,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEMO_PROMPT ?= sort 3 1 4 1 5 9 2 6
 DEMO_FLAGS ?= --show-steps
 
-.PHONY: test venv demo bench bench-load clean
+.PHONY: test venv demo bench bench-load bench-serving clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python benchmarks/load.py
+
+# The serving engine at concurrency 1/4/16 against `generate` one request at a time (docs/serving.md); JSON on stdout.
+bench-serving: $(STAMP)
+	$(BIN)/python benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,8 +3,9 @@
 summary table of the headline figures and ratios, one table per benchmark, and each script's
 full JSON output.
 
-Scripts: decoding.py, forward_cost.py, expert_scaling.py, context_scaling.py, compile.py,
-moe_scaling.py, load.py, load_orbax.py (the last two with their own defaults), roofline.py
+Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time),
+forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
+load_orbax.py (the last two with their own defaults), roofline.py
 (arithmetic only), compile_targets.py (Clover-35B compiled for every named accelerator; about
 half an hour on 2 cores). A script that fails is reported in the document with its exit status and the
 tail of its stderr; the others still run.
@@ -32,8 +33,8 @@ from benchmarks.common import REPO_ROOT, machine, setup_environment  # noqa: E40
 
 setup_environment()
 
-SCRIPTS = ["decoding", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling", "load",
-           "load_orbax", "roofline", "compile_targets"]
+SCRIPTS = ["decoding", "serving", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling",
+           "load", "load_orbax", "roofline", "compile_targets"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}
 
@@ -124,6 +125,32 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
 def render_rates(rates: dict) -> str:
     return (f"this machine: read {rates['read_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
             f"{rates['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s (float32)")
+
+
+def render_serving(j: dict):
+    names = {"bundled": "the bundled tiny Clover (its task's prompts, chat template, shipped controls)",
+             "medium": "the medium random model (random prompts)"}
+    lines = [f"Greedy block diffusion, max_new_tokens {j['max_new_tokens']}; the same requests through `generate` "
+             f"one at a time and through the serving engine with {'/'.join(map(str, j['concurrency']))} clients in "
+             f"a closed loop (each submits its next request when its last one finishes); {j['rounds']} rounds, "
+             "medians. tokens/s: response tokens of all requests over the run's wall time; latencies: medians over "
+             "the requests of the last round (time to first block: submit to the first decided tokens; `generate` "
+             "alone hands over its tokens all at once, at the end).", ""]
+    summary = []
+    for model, result in j["models"].items():
+        config = result.get("config")
+        lines += [f"**{model}**: {names.get(model, model)}, {result['requests']} requests"
+                  + (f"; {', '.join(f'{k} {v}' for k, v in config.items())}" if config else "") + ".", ""]
+        base = result["results"]["generate_one_at_a_time"]["tokens_per_s"]
+        lines += table(["method", "tokens/s", "× one at a time", "mean NFE", "time to first block ms",
+                        "time per token ms", "request latency ms", "tokens equal to generate alone"],
+                       [[method, f(v["tokens_per_s"]), f(v["tokens_per_s"] / base if base else None),
+                         f(v["mean_nfe"]), f(v["time_to_first_block_ms"]), f(v["time_per_token_ms"]),
+                         f(v["request_latency_ms"]), f(v["equal_to_generate_alone"])]
+                        for method, v in result["results"].items()])
+        summary.append(["serving", f"{model}: tokens/s at concurrency 16 / generate one at a time",
+                        f(result["ratios"]["concurrency_16_over_one_at_a_time"])])
+    return lines, summary
 
 
 def render_forward_cost(j: dict):
@@ -299,12 +326,14 @@ def render_compile_targets(j: dict):
                    ["compile_targets", "worst |estimate − compiler| / compiler", f(worst)]]
 
 
-RENDER = {"decoding": render_decoding, "forward_cost": render_forward_cost, "expert_scaling": render_expert_scaling,
-          "context_scaling": render_context,
+RENDER = {"decoding": render_decoding, "serving": render_serving, "forward_cost": render_forward_cost,
+          "expert_scaling": render_expert_scaling, "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
           "roofline": render_roofline, "compile_targets": render_compile_targets}
 TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive vs transformers "
                       "(`benchmarks/decoding.py`)",
+          "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
+                     "(`benchmarks/serving.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
           "expert_scaling": "8 vs 64 experts, same model otherwise (`benchmarks/expert_scaling.py`)",
           "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -73,6 +72,8 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
         tokens[index].extend(event.tokens)
         if event.finish is not None:
             times[index, 2] = time.perf_counter()
+            if not times[index, 1]:  # no tokens before the last event: the first came with it
+                times[index, 1] = times[index, 2]
             nfe[index] = event.stats.nfe
             with lock:
                 state["done"] += 1
@@ -161,7 +162,7 @@ def random_requests(count: int, vocab: int, prompt: int, max_new_tokens: int):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=32, help="requests per run on each model")
+    parser.add_argument("--requests", type=int, default=32, help="requests per run on the bundled model")
     parser.add_argument("--medium-requests", type=int, default=16, help="requests per run on the medium model")
     parser.add_argument("--prompt", type=int, default=64, help="longest random prompt (medium model)")
     parser.add_argument("--new", type=int, default=32, help="max_new_tokens of every request")
