@@ -128,22 +128,14 @@ def routed_expert_mlp(
 
 def _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
     """Every expert on every token, each output weighted by the token's routing weight for that
-    expert (0 where it was not chosen, or not held here): two matmuls and no loop.
-
-    Activations run expert-major, [experts, features, tokens], so that both matmuls take the weights
-    in their stored layout: on XLA:CPU a token-major form ("th,eih->tei", "tei,ehi->teh") copied the
-    whole stacked gate/up weight into [hidden, experts * 2I] on every pass and transposed the
-    activations around the batched down projection (profiled on the bundled model: the copies were
-    40% of an autoregressive step)."""
-    num_experts, width, hidden = gate_up_proj.shape
+    expert (0 where it was not chosen, or not held here): two matmuls and no loop."""
+    num_experts = gate_up_proj.shape[0]
     routing = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=tokens.dtype)
                       * expert_weights[..., None].astype(tokens.dtype), axis=1)            # [tokens, experts]
-    stacked = dequantize(gate_up_proj, tokens.dtype).reshape(num_experts * width, hidden)  # a free reshape
-    gate_up = jnp.einsum("oh,th->ot", stacked, tokens).reshape(num_experts, width, -1)    # [e, 2I, t]
-    gate, up = jnp.split(gate_up, 2, axis=1)
-    outputs = jnp.einsum("ehi,eit->eht", dequantize(down_proj, tokens.dtype), jax.nn.silu(gate) * up)
+    gate, up = jnp.split(jnp.einsum("th,eih->tei", tokens, dequantize(gate_up_proj, tokens.dtype)), 2, axis=-1)
+    outputs = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, dequantize(down_proj, tokens.dtype))
     # Weighted after the down projection, as the reference implementation does (same rounding order).
-    return jnp.sum(outputs * routing.T[:, None, :], axis=0).T
+    return jnp.einsum("teh,te->th", outputs, routing)
 
 
 def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj):
