@@ -47,7 +47,7 @@ demo: $(RUNTIME_STAMP)
 	@echo "== the fixed_k schedule, two positions per denoising step: watch each block fill in"
 	$(BIN)/clover-jax generate $(DEMO_FLAGS) --schedule fixed_k --tokens-per-step 2 "$(DEMO_PROMPT)"
 
-# Every benchmark side by side (about 15 minutes on 2 cores); rewrites docs/benchmarks.md.
+# Every benchmark side by side (about 1.5 hours on 2 cores); rewrites docs/benchmarks.md.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 

@@ -94,6 +94,7 @@ def main() -> None:
                 target_rows.append({
                     "target": name, "weights": option.weights, "mesh": option.mesh, "loop": mode,
                     "compile_s": memory.compile_seconds, "error": memory.error,
+                    "kernel_calls": memory.kernel_calls,
                     "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
                     "output_bytes": memory.output_bytes, "alias_bytes": memory.alias_bytes,
                     "total_bytes": memory.total_bytes, "device_bytes": option.device_bytes,
