@@ -36,7 +36,7 @@ venv: $(STAMP) $(COMPILERS_STAMP)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(STAMP) $(COMPILERS_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The bundled tiny Clover (clover_jax/bundled/tiny-clover, trained to sort digits) answering from the command
 # line, each block shown as it is denoised: first with its shipped decoding controls, then two positions per
