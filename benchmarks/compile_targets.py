@@ -132,7 +132,7 @@ def main() -> None:
     errors = [abs(r["estimate_error"]) for r in rows if r["estimate_error"] is not None]
     if errors:
         worst = max(rows, key=lambda r: abs(r["estimate_error"] or 0))
-        checks.append(check("arithmetic estimate vs compiler bytes, worst |error| over targets and formats",
+        checks.append(check("arithmetic estimate vs compiler bytes, worst absolute error over targets and formats",
                             max(errors), ESTIMATE_TOLERANCE, at_least=False,
                             note=f"worst: {worst['target']} {worst['weights']} {worst['loop']}"))
     refused = [f"{r['target']} {r['weights']} {r['loop']}: {r['error']}" for r in rows if r["error"]]

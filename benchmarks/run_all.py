@@ -323,7 +323,7 @@ def render_compile_targets(j: dict):
     worst = max((abs(r["estimate_error"]) for r in j["rows"] if r["estimate_error"] is not None), default=None)
     return lines, [["compile_targets", "loops compiled / refused",
                     f"{sum(1 for r in j['rows'] if not r['error'])} / {len(j['refused'])}"],
-                   ["compile_targets", "worst |estimate − compiler| / compiler", f(worst)]]
+                   ["compile_targets", "worst absolute (estimate − compiler) / compiler", f(worst)]]
 
 
 RENDER = {"decoding": render_decoding, "serving": render_serving, "forward_cost": render_forward_cost,
