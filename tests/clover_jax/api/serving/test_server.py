@@ -144,7 +144,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(tools_server):
         time.sleep(0.05)
     assert service.engine.running() == 0
     assert service.engine.finished["cancelled"] == cancelled + 1
-    assert service.engine.steps - steps < 200  # far from the thousands of tokens asked for
+    # One step per token: well short of the 3,000 asked for. How far the engine gets before the server
+    # notices the closed connection depends on the machine's load (332 steps seen with the suite on 2 cores).
+    assert service.engine.steps - steps < 1500
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["running"] == 0
     assert client(server).chat.completions.create(model="tools-clover", max_tokens=4, messages=[
