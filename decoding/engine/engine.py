@@ -225,7 +225,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._closed or self._inbox or self._cancels or self._held):
+                # `_queue` too: when every held request finishes in one step, the queued ones are admitted
+                # next (without it the loop slept with requests waiting, until a new one arrived).
+                while not (self._closed or self._inbox or self._cancels or self._held or self._queue):
                     self._lock.wait()
                 if self._closed:
                     break

@@ -125,6 +125,16 @@ def test_bounded_queue(model, controls_config):
         release.set()
 
 
+def test_queued_requests_are_admitted_when_every_running_one_finishes_in_the_same_step(model, controls_config):
+    """Two slots and six equal requests: the running pair finishes in one step, and the four that
+    wait are admitted without a new arrival to wake the engine (it once slept with them queued)."""
+    with Engine(model, controls_config, max_running=2, max_queue=8) as engine:
+        requests = [EngineRequest(PROMPTS[2], overrides={"max_new_tokens": 8})] * 6
+        results = engine.run(requests, timeout=120)
+    assert [result.finish for result in results] == [results[0].finish] * 6
+    assert all(result.tokens == results[0].tokens for result in results)
+
+
 @pytest.mark.parametrize("request_, message", [
     (EngineRequest([1, MASK_ID]), "contains the mask token id"),
     (EngineRequest([1, 2, 3], overrides={"max_new_tokens": 300}), "exceeds the engine's context of 256"),
