@@ -19,7 +19,8 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.autoregressive import next_tokens
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes
+from decoding.engine.slots import per_slot_choice
+from decoding.controls import Controls, TokenIds
 
 
 class AutoregressiveSlots(NamedTuple):
@@ -49,13 +50,7 @@ def autoregressive_step(passes: ModelPasses, params: Any, slots: AutoregressiveS
     """Choose every live slot's next token, then run its forward (alive: bool [S])."""
     controls = slots.controls
 
-    def choose_rows(processed, keys):
-        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
-        if not sample:
-            return greedy
-        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
-            processed, keys, controls)
-        return jax.tree_util.tree_map(lambda g, s: jnp.where(slots.sample[:, None], s, g), greedy, sampled)
+    choose_rows = per_slot_choice(controls, slots.sample, sample)
 
     token = next_tokens(slots.logits, slots.counts, slots.generated, slots.prompt_thinking, slots.key, controls,
                         ids, choose_rows)

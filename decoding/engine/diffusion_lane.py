@@ -26,7 +26,8 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes
+from decoding.engine.slots import per_slot_choice
+from decoding.controls import Controls, TokenIds
 from decoding.schedules import BY_NAME
 from decoding.schedules.switch import ScheduleSwitch
 
@@ -94,13 +95,7 @@ def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, sl
 
     controls = slots.controls
 
-    def choose_rows(processed, keys):
-        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
-        if not sample:
-            return greedy
-        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
-            processed, keys, controls)
-        return jax.tree_util.tree_map(lambda g, s: jnp.where(slots.sample[:, None], s, g), greedy, sampled)
+    choose_rows = per_slot_choice(controls, slots.sample, sample)
 
     rules = StepRules(controls=controls, ids=ids, steps_cap=layout.steps_cap, choose=choose_rows,
                       schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import KVCache, ModelState
+from decoding.controls import choose, per_sequence_axes
 
 
 def slot_axes(tree: Any) -> Any:
@@ -114,3 +115,17 @@ def prefill_chunk(passes: ModelPasses, params: Any, ids: jax.Array, state: Model
     [1, vocab], the state)."""
     out = passes.causal(params, ids, state, logits_from=ids.shape[1] - 1)
     return out.logits[:, -1], out.state
+
+
+def per_slot_choice(controls, sampling: jax.Array, sample: bool):
+    """choose(processed [S, rows, V], keys [S]) -> Choice [S, rows] for a lane whose slots each
+    decode greedily or by sampling (`sampling`: bool [S]; `sample`: some slot samples, else every
+    slot takes the greedy choice alone). controls: [S] each."""
+    def choose_rows(processed, keys):
+        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
+        if not sample:
+            return greedy
+        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
+            processed, keys, controls)
+        return jax.tree_util.tree_map(lambda g, s: jnp.where(sampling[:, None], s, g), greedy, sampled)
+    return choose_rows
