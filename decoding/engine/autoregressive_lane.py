@@ -19,7 +19,7 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.autoregressive import next_tokens
-from decoding.engine.slots import per_slot_choice
+from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.controls import Controls, TokenIds
 
 
@@ -67,10 +67,11 @@ def autoregressive_step(passes: ModelPasses, params: Any, slots: AutoregressiveS
 
 def entry(model_state: ModelState, last_logits: jax.Array, max_new_tokens: int, thinking: bool, key: jax.Array,
           controls: Controls, sample: bool, vocab: int) -> AutoregressiveSlots:
-    """One slot's state for a request whose prompt `model_state` holds; last_logits: float32 [1, V]."""
+    """One slot's state for a request whose prompt `model_state` holds; last_logits: float32 [1, V];
+    key: the request's key with a slot axis ([1])."""
     one = lambda value, dtype: np.asarray([value], dtype)
     return AutoregressiveSlots(
-        model_state._replace(length=jnp.reshape(model_state.length, (1,))), last_logits,
+        one_slot(model_state), last_logits,
         np.zeros((1, vocab), np.int32), one(0, np.int32), one(max_new_tokens, np.int32), one(thinking, bool),
-        key[None], jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(sample, bool),
+        key, jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(sample, bool),
         one(1, np.int32))

@@ -26,7 +26,7 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
-from decoding.engine.slots import per_slot_choice
+from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.controls import Controls, TokenIds
 from decoding.schedules import BY_NAME
 from decoding.schedules.switch import ScheduleSwitch
@@ -109,7 +109,9 @@ def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prom
           max_new_tokens: int, thinking: bool, key: jax.Array, controls: Controls, schedule: dict, sample: bool,
           has_prefix: bool, ids: TokenIds, vocab: int, *, threshold: float) -> DiffusionSlots:
     """One slot's state for a request whose prefix `model_state` holds (a staging state): its first
-    block is the prompt tail (fixed) then masks, as `generate` lays out a prompt alone."""
+    block is the prompt tail (fixed) then masks, as `generate` lays out a prompt alone. key: the
+    request's key with a slot axis ([1]); schedule: its `SCHEDULES` parameters, leaves [1].
+    Everything but the prefix state and the key is NumPy (stacked on the host when requests join)."""
     tail = len(prompt_tail)
     block = np.full((1, block_size), int(ids.mask), np.int32)
     block[0, :tail] = prompt_tail
@@ -120,9 +122,7 @@ def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prom
                              finished=one(False, bool), open=one(True, bool))
     facts = SequenceFacts(response_base=one(-tail, np.int32), prompt_length=one(prompt_length, np.int32),
                           max_new_tokens=one(max_new_tokens, np.int32), prompt_thinking=one(thinking, bool),
-                          threshold=one(threshold, np.float32), key=key[None])
+                          threshold=one(threshold, np.float32), key=key)
     return DiffusionSlots(
-        model_state._replace(length=jnp.reshape(model_state.length, (1,))), progress, facts,
-        jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
-        jax.tree_util.tree_map(lambda value: np.asarray(value)[None], schedule),
-        one(sample, bool), one(False, bool), one(int(has_prefix), np.int32))
+        one_slot(model_state), progress, facts, jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
+        schedule, one(sample, bool), one(False, bool), one(int(has_prefix), np.int32))

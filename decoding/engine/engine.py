@@ -287,6 +287,7 @@ class Engine:
 
     def _prefill(self) -> None:
         budget = self.prefill_budget
+        ready: dict[LaneKey, list[_Prefill]] = {}
         while self._prefills and budget > 0:
             job = self._prefills[0]
             if job.tracked.done:
@@ -306,13 +307,29 @@ class Engine:
                     budget -= size
                 if not job.sizes:
                     self._prefills.popleft()
-                    joining = sum(other.lane == job.lane for other in self._prefills)
-                    self._lane(job.lane).add(job.tracked, job.staging, job.last_logits, joining)
-                    job.tracked.lane = job.lane
+                    ready.setdefault(job.lane, []).append(job)
             except Exception as error:  # this request alone fails
                 logger.exception("prefill of request %d failed", job.tracked.number)
                 self._prefills.popleft()
                 self._fail(job.tracked, f"prefill failed: {type(error).__name__}: {error}")
+        for key, jobs in ready.items():
+            self._join(key, jobs)
+
+    def _join(self, key: LaneKey, jobs: list[_Prefill]) -> None:
+        """Join prefilled requests into their lane in one write; if that fails, each alone (so
+        only a request whose own join fails is failed)."""
+        try:
+            self._lane(key).add([(job.tracked, job.staging, job.last_logits) for job in jobs])
+        except Exception as error:
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._join(key, [job])
+                return
+            logger.exception("request %d could not join its lane", jobs[0].tracked.number)
+            self._fail(jobs[0].tracked, f"joining its decoding lane failed: {type(error).__name__}: {error}")
+            return
+        for job in jobs:
+            job.tracked.lane = key
 
     def _fresh_staging(self, rows: int, padding: int, shared: bool):
         """An empty staging state; `shared`: one that no prefill will write (a prompt with no
@@ -329,6 +346,7 @@ class Engine:
             if not lane.live:
                 continue
             try:
+                lane.fit()
                 outcomes = lane.step()
             except Exception as error:
                 logger.exception("a step of lane %s failed; failing its %d requests", key, lane.live)

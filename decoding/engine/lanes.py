@@ -24,7 +24,7 @@ from clover_jax.core.state import ModelState
 from decoding.controls import TokenIds
 from decoding.engine import autoregressive_lane, diffusion_lane, speculative_lane
 from decoding.engine.requests import LaneKey, PreparedRequest
-from decoding.engine.slots import capacity_bucket, empty_staging, put_slot, take_slots
+from decoding.engine.slots import capacity_bucket, empty_staging, put_slots, stack_entries, take_slots
 from decoding.streaming import response_slice
 
 logger = logging.getLogger(__name__)
@@ -111,32 +111,49 @@ class Lane:
         self.slots, self.capacity = take_slots(self.slots, indices, capacity), capacity
         self.occupants = [self.occupants[slot] for slot in live] + [None] * (size - len(live))
 
-    def add(self, tracked: Tracked, staging: ModelState, last_logits: jax.Array, joining: int = 0) -> None:
-        """Join a request whose prefix `staging` holds into a free slot; `joining`: more requests
-        about to join this lane (a full lane grows once for all of them)."""
-        entry = self._entry(tracked.prepared, staging, last_logits)
-        capacity = max(self.capacity, self.rows_for(tracked.rows))
+    def add(self, joins: list[tuple[Tracked, ModelState, jax.Array]]) -> None:
+        """Join requests whose prefixes their staging states hold into free slots, in one write
+        (a full lane grows once for all of them). joins: (request, staging state, last prompt
+        logits) each; there are never more than the lane's free slots once it has grown to
+        `max_slots` (the engine admits no more)."""
+        entries = [self._entry(tracked.prepared, staging, last_logits) for tracked, staging, last_logits in joins]
+        capacity = max([self.capacity] + [self.rows_for(tracked.rows) for tracked, _, _ in joins])
         if self.slots is None:
-            size = _power_of_two(min(1 + joining, self.context.max_slots))
-            self.slots, self.capacity = take_slots(entry, np.zeros(size, np.int32), capacity), capacity
-            self.occupants = [tracked] + [None] * (size - 1)
-            return
+            size = _power_of_two(min(len(joins), self.context.max_slots))
+            self.slots, self.capacity = take_slots(entries[0], np.zeros(size, np.int32), capacity), capacity
+            self.occupants = [None] * size
         size = self.size
-        if None not in self.occupants:
-            if size >= self.context.max_slots:
+        if self.live + len(joins) > size:
+            if self.live + len(joins) > self.context.max_slots:
                 raise RuntimeError(f"lane {self.key} is full ({size} slots)")  # the engine admits no more
-            size = min(_power_of_two(self.live + 1 + joining), self.context.max_slots)
+            size = min(_power_of_two(self.live + len(joins)), self.context.max_slots)
         if (size, capacity) != (self.size, self.capacity):
             self._reshape(size, capacity)
-        slot = self.occupants.index(None)
-        self.slots = put_slot(self.slots, np.int32(slot), entry)
-        self.occupants[slot] = tracked
+        free = [slot for slot, occupant in enumerate(self.occupants) if occupant is None][:len(joins)]
+        # padded to a power of two with the last join repeated (the same entry into the same slot)
+        padded = _power_of_two(len(joins))
+        indices = np.array(free + [free[-1]] * (padded - len(joins)), np.int32)
+        treedef, leaves, on_host = stack_entries(entries + [entries[-1]] * (padded - len(joins)))
+        self.slots = put_slots(self.slots, indices, treedef, leaves, on_host)
+        for slot, (tracked, _, _) in zip(free, joins):
+            self.occupants[slot] = tracked
+            tracked.nfe = self._first_nfe(tracked.prepared)
+
+    def _first_nfe(self, prepared: PreparedRequest) -> int:
+        """The forward passes a request has run when it joins (its prefill's)."""
+        raise NotImplementedError  # each kind of lane defines it
 
     def remove(self, tracked: Tracked) -> None:
+        """Free the request's slot; the lane is resized at its next step (`fit`), once for every
+        request that left since."""
         self.occupants[self.occupants.index(tracked)] = None
+        if not self.live:
+            self.drop()  # the memory goes back; a new request makes the lane again
+
+    def fit(self) -> None:
+        """Shrink the lane to its live requests (see the class docstring); run before a step."""
         live = self.requests()
         if not live:
-            self.drop()  # the memory goes back; a new request makes the lane again
             return
         size = self.size // 2 if self.size >= SHRINK_FROM and len(live) <= self.size // 4 else self.size
         needed = self.rows_for(max(t.rows for t in live))
@@ -173,13 +190,11 @@ class DiffusionLane(Lane):
         config = prepared.config
         return diffusion_lane.entry(
             staging, tail, size, len(prepared.prompt), config.max_new_tokens, prepared.thinking,
-            prepared.key, prepared.controls,
-            diffusion_lane.SCHEDULES.params(config.schedule, config.schedule_params, config), config.do_sample,
+            prepared.key, prepared.controls, prepared.schedule, config.do_sample,
             len(prepared.prompt) >= size, self.context.ids, self.context.vocab, threshold=config.threshold)
 
-    def add(self, tracked, staging, last_logits, joining=0):
-        super().add(tracked, staging, last_logits, joining)
-        tracked.nfe = int(len(tracked.prepared.prompt) >= self.key.block_size)
+    def _first_nfe(self, prepared):
+        return int(len(prepared.prompt) >= self.key.block_size)
 
     def step(self) -> list[Outcome]:
         requests = self.requests()
@@ -217,9 +232,8 @@ class AutoregressiveLane(Lane):
                                          prepared.key, prepared.controls, config.do_sample,
                                          self.context.vocab)
 
-    def add(self, tracked, staging, last_logits, joining=0):
-        super().add(tracked, staging, last_logits, joining)
-        tracked.nfe = 1
+    def _first_nfe(self, prepared):
+        return 1
 
     def step(self) -> list[Outcome]:
         alive = self.alive()
@@ -242,9 +256,8 @@ class SpeculativeLane(Lane):
         return speculative_lane.entry(staging, prepared.prompt[-1], prepared.config.max_new_tokens, prepared.thinking,
                                       prepared.controls, len(prepared.prompt) > 1, self.context.vocab)
 
-    def add(self, tracked, staging, last_logits, joining=0):
-        super().add(tracked, staging, last_logits, joining)
-        tracked.nfe = int(len(tracked.prepared.prompt) > 1)
+    def _first_nfe(self, prepared):
+        return int(len(prepared.prompt) > 1)
 
     def step(self) -> list[Outcome]:
         alive = self.alive()

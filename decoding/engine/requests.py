@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from decoding.controls import Controls
+from decoding.engine.diffusion_lane import SCHEDULES
 from decoding.generation import check_prompts, resolve_config
 from decoding.layouts import MODES, controls_of, prompt_thinking
 from decoding.generation_config import GenerationConfig
@@ -58,7 +59,8 @@ class PreparedRequest:
     thinking: bool
     seed: int
     lane: LaneKey
-    key: Any = None              # `sequence_key(seed)`, made on the caller's thread
+    key: Any = None              # `sequence_key(seed)` as one slot's row ([1]), made on the caller's thread
+    schedule: Any = None         # diffusion: its parameters of the engine's schedule switch (one slot's row)
 
     @property
     def max_new_tokens(self) -> int:
@@ -136,13 +138,23 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
         lane = LaneKey("autoregressive")
     else:
         lane = LaneKey(request.mode, config.block_size, config.steps_cap if request.mode == "diffusion" else None)
+    schedule = None
+    if request.mode == "diffusion":
+        schedule = jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
+                                          SCHEDULES.params(config.schedule, config.schedule_params, config))
     return PreparedRequest(prompt, request.mode, config, controls_of(config), prompt_thinking(prompt, config),
-                           int(request.seed), lane, sequence_key(int(request.seed)))
+                           int(request.seed), lane, sequence_key_row(int(request.seed)), schedule)
+
+
+def sequence_key(seed: int) -> jax.Array:
+    """The key a request alone draws from: `generate(key=jax.random.key(seed))`, prompt 0 (random
+    schedules draw from it in greedy decoding too)."""
+    return jax.random.fold_in(jax.random.key(seed), 0)
 
 
 @functools.lru_cache(maxsize=256)
-def sequence_key(seed: int) -> jax.Array:
-    """The key a request alone draws from: `generate(key=jax.random.key(seed))`, prompt 0 (random
-    schedules draw from it in greedy decoding too). Cached: most requests share a seed."""
-    return jax.random.fold_in(jax.random.key(seed), 0)
+def sequence_key_row(seed: int) -> jax.Array:
+    """`sequence_key(seed)` with a slot axis ([1]), as a lane's entry holds it. Cached: most
+    requests share a seed, and each device op here costs the engine's loop ~0.1 ms."""
+    return sequence_key(seed)[None]
 

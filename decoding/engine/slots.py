@@ -3,7 +3,7 @@
 A lane's device state is a pytree whose every leaf has one slot axis: axis 1 for the prefix
 state's layers (`[groups, slots, ...]`, `clover_jax.core.state`), axis 0 for everything else
 (`ModelState.length` and `start` included: a lane's fill is per slot). `slot_axes` names it for
-each leaf, so one `put_slot` joins a request into any lane and one `take_slots` resizes any lane.
+each leaf, so one `put_slots` joins requests into any lane and one `take_slots` resizes any lane.
 
 The engine's programs are plain `jax.jit` (JAX's persistent compilation cache keeps them across
 processes) rather than `clover_jax.core.executable_cache.persistent_jit`, whose per-call work
@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import KVCache, ModelState
@@ -39,17 +40,58 @@ def slot_axes(tree: Any) -> Any:
     return jax.tree_util.tree_map(axes, tree, is_leaf=lambda node: isinstance(node, ModelState))
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
-def put_slot(slots: Any, index: jax.Array, entry: Any) -> Any:
-    """`slots` with slot `index` replaced by `entry` (the same pytree with one slot). The entry's
-    K/V caches may hold fewer rows than the lane's: they fill the slot's first rows, and the rows
-    after them (past the request's fill) are never read."""
-    def put(full, one, axis):
-        start = [0] * full.ndim
-        start[axis] = index
-        return jax.lax.dynamic_update_slice(full, jnp.asarray(one).astype(full.dtype), start)
+def one_slot(state: ModelState) -> ModelState:
+    """A staging state as one slot of a lane: its `length` with the slot axis ([1])."""
+    return state if state.length.shape == (1,) else state._replace(length=jnp.reshape(state.length, (1,)))
 
-    return jax.tree_util.tree_map(put, slots, entry, slot_axes(slots))
+
+def stack_entries(entries: list) -> tuple[Any, tuple, tuple]:
+    """Entries of one slot each (the lane's pytree, every leaf with a slot axis of 1) as one
+    argument of `put_slots`: (the entries' tree, its leaves, `layout`). NumPy leaves (a request's
+    controls, schedule, progress, ...) are stacked here on the host, so a join of k requests
+    transfers each leaf once rather than k times; device leaves (prefix states, logits, keys) stay
+    as tuples of k arrays and are stacked inside `put_slots`."""
+    flat = [jax.tree_util.tree_flatten(entry) for entry in entries]
+    treedef = flat[0][1]
+    axes = jax.tree_util.tree_leaves(slot_axes(entries[0]))
+    leaves, on_host = [], []
+    for position, axis in enumerate(axes):
+        values = [leaves_of[position] for leaves_of, _ in flat]
+        host = all(isinstance(value, (np.ndarray, np.generic)) for value in values)
+        leaves.append(np.concatenate(values, axis=axis) if host else tuple(values))
+        on_host.append(host)
+    return treedef, tuple(leaves), tuple(on_host)
+
+
+@functools.partial(jax.jit, static_argnames=("treedef", "on_host"), donate_argnames=("slots",))
+def put_slots(slots: Any, indices: jax.Array, treedef: Any, leaves: tuple, on_host: tuple) -> Any:
+    """`slots` with slot `indices[j]` (int32 [k]) replaced by entry j of `stack_entries`' output.
+    An entry's K/V caches may hold fewer rows than the lane's: they fill the slot's first rows, and
+    the rows after them (past the request's fill) are never read. An index may repeat with the
+    same entry (a join padded to a power of two, so joins compile log2(slots) + 1 programs)."""
+    axes = jax.tree_util.tree_leaves(slot_axes(treedef.unflatten([0] * treedef.num_leaves)))
+
+    def stacked(leaf, host, axis):
+        if host:
+            return jnp.asarray(leaf)
+        shape = np.max([value.shape for value in leaf], axis=0)
+        return jnp.concatenate([_padded(value, shape) for value in leaf], axis=axis)
+
+    entries = treedef.unflatten([stacked(leaf, host, axis) for leaf, host, axis in zip(leaves, on_host, axes)])
+
+    def put(full, some, axis):
+        shape = list(full.shape)
+        shape[axis] = some.shape[axis]
+        where = (slice(None),) * axis + (indices,)
+        return full.at[where].set(_padded(some, shape).astype(full.dtype))
+
+    return jax.tree_util.tree_map(put, slots, entries, slot_axes(slots))
+
+
+def _padded(value: jax.Array, shape) -> jax.Array:
+    """`value` padded at the end of each axis to `shape` (zeros; no axis is cut)."""
+    return jnp.pad(value, [(0, int(size) - now) for size, now in zip(shape, value.shape)]) \
+        if tuple(value.shape) != tuple(shape) else value
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))

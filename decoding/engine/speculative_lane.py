@@ -10,12 +10,12 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.controls import Controls, TokenIds
+from decoding.engine.slots import one_slot
 from decoding.speculative import speculative_round
 
 
@@ -57,6 +57,6 @@ def entry(model_state: ModelState, pending: int, max_new_tokens: int, thinking: 
     """One slot's state for a request whose prompt but its last token (`pending`) `model_state` holds."""
     one = lambda value, dtype: np.asarray([value], dtype)
     return SpeculativeSlots(
-        model_state._replace(length=jnp.reshape(model_state.length, (1,))), one(pending, np.int32),
+        one_slot(model_state), one(pending, np.int32),
         np.zeros((1, vocab), np.int32), one(0, np.int32), one(max_new_tokens, np.int32), one(thinking, bool),
         jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(int(has_prefill), np.int32))

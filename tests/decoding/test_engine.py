@@ -82,7 +82,7 @@ def test_steady_traffic_never_recompiles(engine):
                 for k, variant in enumerate(VARIANTS[:4])]
 
     engine.run(traffic(0), timeout=600)
-    programs = [diffusion_lane.diffusion_step, slots.put_slot, slots.take_slots, slots.prefill_chunk]
+    programs = [diffusion_lane.diffusion_step, slots.put_slots, slots.take_slots, slots.prefill_chunk]
     compiled = [program._cache_size() for program in programs]
     engine.run(traffic(3), timeout=600)
     assert [program._cache_size() for program in programs] == compiled
