@@ -155,6 +155,5 @@ def sequence_key(seed: int) -> jax.Array:
 @functools.lru_cache(maxsize=256)
 def sequence_key_row(seed: int) -> jax.Array:
     """`sequence_key(seed)` with a slot axis ([1]), as a lane's entry holds it. Cached: most
-    requests share a seed, and each device op here costs the engine's loop ~0.1 ms."""
+    requests share a seed (each call is a few device ops, ~0.1 ms)."""
     return sequence_key(seed)[None]
-
