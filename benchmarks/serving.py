@@ -134,9 +134,10 @@ def batching_ceiling(engine, requests, slots: int = max(CONCURRENCY), repeats: i
     from decoding.engine.requests import rows_needed
     from decoding.engine.slots import capacity_bucket
 
-    context, config = engine.context, engine.defaults
-    capacity = capacity_bucket(max(rows_needed(len(r.prompt), config, "diffusion") for r in requests), engine.max_context)
-    block = config.block_size
+    context = engine.context
+    prepared = [engine.check(request) for request in requests]  # each request's own config (max_new_tokens)
+    capacity = capacity_bucket(max(rows_needed(len(p.prompt), p.config, p.mode) for p in prepared), engine.max_context)
+    block = prepared[0].config.block_size
     passes, coreset, top_p = context.passes, context.coreset, context.coreset_top_p
 
     @jax.jit
