@@ -51,3 +51,22 @@ def test_run_all_renders_a_table_from_script_output():
                {"name": "compile", "seconds": 1.0, "returncode": 1, "stderr_tail": "boom"}]
     text = run_all.render(results, host, quick=True, total_seconds=1.0)
     assert "test cpu, 2 cores" in text and "| roofline |" in text and "**Failed** (exit 1)" in text
+
+
+def test_run_all_keeps_the_saved_results_of_the_scripts_it_did_not_run(tmp_path):
+    from benchmarks import run_all
+    from benchmarks.roofline import report
+
+    host = {"cpu_model": "test cpu", "cores": 2, "ram_gib": 1.0, "load_average_1m": 0.0, "jax_backend": "cpu",
+            "devices": ["cpu:0"], "versions": {"jax": "x"}, "date": "today"}
+    saved = [{"name": "roofline", "seconds": 0.1, "returncode": 0,
+              "json": dict(report(4096, 32), machine={"date": "yesterday"})},
+             {"name": "compile", "seconds": 1.0, "returncode": 1, "stderr_tail": "boom"},  # failed: not kept
+             {"name": "load", "seconds": 1.0, "returncode": 0, "json": {}}]                 # rerun now: not kept
+    path = tmp_path / "benchmarks.json"
+    path.write_text(json.dumps(saved))
+    reused = run_all.reuse(str(path), ran=["load"])
+    assert [(result["name"], result["reused"]) for result in reused] == [("roofline", True)]
+    text = run_all.render(reused, host, quick=False, total_seconds=1.0)
+    assert "Reused from the run of yesterday." in text and "except roofline, reused from earlier runs" in text
+    assert run_all.reuse(str(tmp_path / "missing.json"), ran=["load"]) == []
