@@ -46,11 +46,11 @@ def one_slot(state: ModelState) -> ModelState:
 
 
 def stack_entries(entries: list) -> tuple[Any, tuple, tuple]:
-    """Entries of one slot each (the lane's pytree, every leaf with a slot axis of 1) as one
-    argument of `put_slots`: (the entries' tree, its leaves, `layout`). NumPy leaves (a request's
-    controls, schedule, progress, ...) are stacked here on the host, so a join of k requests
-    transfers each leaf once rather than k times; device leaves (prefix states, logits, keys) stay
-    as tuples of k arrays and are stacked inside `put_slots`."""
+    """Entries of one slot each (the lane's pytree, every leaf with a slot axis of 1) as the
+    arguments of `put_slots`: (their tree structure, their leaves, which leaves are NumPy). NumPy
+    leaves (a request's controls, schedule, progress, ...) are stacked here on the host, so a join
+    of k requests transfers each leaf once rather than k times; device leaves (prefix states,
+    logits, keys) stay as tuples of k arrays and are stacked inside `put_slots`."""
     flat = [jax.tree_util.tree_flatten(entry) for entry in entries]
     treedef = flat[0][1]
     axes = jax.tree_util.tree_leaves(slot_axes(entries[0]))
