@@ -39,7 +39,7 @@ import jax
 
 from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
 
-__all__ = ["ATTENTIONS", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice", "PLATFORMS",
+__all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice", "PLATFORMS",
            "choose_kernels", "platform_name"]
 
 IMPLS = ("auto", "pallas", "xla")
@@ -57,18 +57,23 @@ class GDNRule(NamedTuple):
     interpret: bool
 
 
+# `routed_expert_mlp`'s strategies (clover_jax.nn.expert_dispatch.STRATEGIES; core does not import nn)
+EXPERT_STRATEGIES = ("auto", "loop", "dense")
+
+
 class ExpertRule(NamedTuple):
     """The routed experts of a pass: `kernel` "tiled" (`clover_jax.nn.expert_dispatch.routed_expert_mlp`,
     XLA) or "grouped" (two grouped matmuls, `grouped_kernel` "megablox" or "pallas" for
     `platform`'s driver, interpreted or not); `per_device`: they run inside `shard_map`, each
     device on its own experts (the expert axis splits them, or a Pallas custom call, which XLA
-    cannot partition, runs on a mesh)."""
+    cannot partition, runs on a mesh); `strategy`: the tiled form's (`routed_expert_mlp`)."""
 
     kernel: str
     grouped_kernel: str | None
     platform: str
     interpret: bool
     per_device: bool
+    strategy: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,10 @@ class KernelChoice:
     gdn_chunk: tokens per chunk of the GDN rule. None: the XLA rule takes, per pass, the smallest
     power of two from 16 to 64 that holds the pass's causal rows (a 16-token commit pays for 16,
     not 64); the Pallas kernel keeps its own 64.
+
+    expert_strategy: how the XLA routed experts run (`routed_expert_mlp`): "auto" (the expert loop,
+    fastest), "loop", or "dense" (every expert on every token). Training asks for "dense": reverse-mode
+    differentiation has no rule for the loop's data-dependent trip counts.
     """
 
     attention: str = "online_softmax"  # "online_softmax" | "dot_product_attention"
@@ -85,6 +94,7 @@ class KernelChoice:
     moe: str = "xla"           # "xla" | "pallas"
     platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
     gdn_chunk: int | None = None
+    expert_strategy: str = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -92,6 +102,8 @@ class KernelChoice:
         for field, value in (("gdn", self.gdn), ("moe", self.moe)):
             if value not in ("xla", "pallas"):
                 raise ValueError(f"KernelChoice.{field}={value!r} is not one of ('xla', 'pallas')")
+        if self.expert_strategy not in EXPERT_STRATEGIES:
+            raise ValueError(f"KernelChoice.expert_strategy={self.expert_strategy!r} is not one of {EXPERT_STRATEGIES}")
         object.__setattr__(self, "platform", platform_name(self.platform))
 
     @property
@@ -114,7 +126,7 @@ class KernelChoice:
         """The rule for routed experts whose weights are `quantized` (or not), on a mesh whose expert
         axis has `expert_devices` devices (`on_mesh`: there is a mesh at all)."""
         if self.moe == "xla":
-            return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1)
+            return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1, self.expert_strategy)
         kernel = "pallas" if self.platform == "cpu" else grouped_matmul_kernel(self.platform, "auto", False, quantized)
         return ExpertRule("grouped", kernel, self.platform, self.interpret, on_mesh)
 

@@ -30,10 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from clover_jax.core.kernels import EXPERT_STRATEGIES as STRATEGIES
 from clover_jax.core.quantization import QuantizedWeight, dequantize, take
-
-
-STRATEGIES = ("auto", "loop", "dense")
 
 
 def tile_rows_for(num_pairs: int, num_experts: int) -> int:

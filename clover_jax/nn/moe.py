@@ -46,7 +46,7 @@ def expert_mlp(rule: ExpertRule, *args) -> jax.Array:
     `routed_expert_mlp`)."""
     if rule.kernel == "grouped":
         return grouped_expert_mlp(*args, platform=rule.platform, kernel=rule.grouped_kernel, interpret=rule.interpret)
-    return routed_expert_mlp(*args)
+    return routed_expert_mlp(*args, strategy=rule.strategy)
 
 
 def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,

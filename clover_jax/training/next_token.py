@@ -15,6 +15,7 @@ no gradient; the block-diffusion loss does (`clover_jax.training.objective.joint
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -22,6 +23,13 @@ import jax.numpy as jnp
 
 from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.core.state import empty_state
+
+
+def differentiable(module: CloverTransformer) -> CloverTransformer:
+    """`module` with its routed experts in the form reverse-mode differentiation goes through:
+    "dense" (every expert on every token). Decoding's expert loop has data-dependent trip counts,
+    which `jax.grad` cannot differentiate; both forms compute the same function."""
+    return module.clone(kernels=dataclasses.replace(module.kernels, expert_strategy="dense"))
 
 
 class NextTokenParts(NamedTuple):
@@ -36,7 +44,7 @@ def causal_logits(module: CloverTransformer, params: Params, sequence_ids: jax.A
     """float32 [b, S, V]: every row's causal logits. sequence_ids: int [b, S], left-padded; sequence_start: int [b]."""
     batch, width = sequence_ids.shape
     state = empty_state(module.config, batch, width, module.dtype, sequence_start)
-    return TransformerPasses(module).causal(params, sequence_ids, state).logits
+    return TransformerPasses(differentiable(module)).causal(params, sequence_ids, state).logits
 
 
 def next_token_cross_entropy(logits: jax.Array, sequence_ids: jax.Array,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.core.state import empty_state
 from clover_jax.training.batches import TrainBatch
-from clover_jax.training.next_token import NextTokenParts, next_token_loss
+from clover_jax.training.next_token import NextTokenParts, differentiable, next_token_loss
 
 
 class JointParts(NamedTuple):
@@ -99,7 +99,7 @@ def block_logits(module: CloverTransformer, params: Params, prefix_ids: jax.Arra
     """float32 [b, B, V]: one pass, the prefix causal (from an empty state) then the block."""
     batch, width = prefix_ids.shape
     state = empty_state(module.config, batch, width, module.dtype, start)
-    return TransformerPasses(module).commit_and_denoise(params, prefix_ids, block_ids, state, coreset=coreset,
+    return TransformerPasses(differentiable(module)).commit_and_denoise(params, prefix_ids, block_ids, state, coreset=coreset,
                                                         coreset_top_p=coreset_top_p).logits
 
 
