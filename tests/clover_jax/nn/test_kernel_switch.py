@@ -67,6 +67,11 @@ def test_each_hot_spot_is_resolved_once_into_the_rule_that_runs():
     assert tpu.expert_rule(True).grouped_kernel == "pallas"  # megablox takes float weights only
     assert gpu.expert_rule(False) == ExpertRule("grouped", "pallas", "gpu", False, False)
     assert choose_kernels("pallas", "cpu").expert_rule(False) == ExpertRule("grouped", "pallas", "cpu", True, False)
+    # the tiled form's strategy: the loop unless asked (training asks for the differentiable "dense")
+    assert cpu.expert_rule(False).strategy == "auto"
+    assert KernelChoice(expert_strategy="dense").expert_rule(False).strategy == "dense"
+    with pytest.raises(ValueError, match="expert_strategy='fast'"):
+        KernelChoice(expert_strategy="fast")
     # a Pallas custom call on a mesh runs per device, whatever the expert axis
     assert tpu.expert_rule(False, expert_devices=1, on_mesh=True).per_device
 
