@@ -39,8 +39,8 @@ import jax
 
 from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
 
-__all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice", "PLATFORMS",
-           "choose_kernels", "platform_name"]
+__all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice",
+           "PLATFORMS", "choose_kernels", "platform_name"]
 
 IMPLS = ("auto", "pallas", "xla")
 ATTENTIONS = ("online_softmax", "dot_product_attention")

@@ -58,7 +58,7 @@ def routed_expert_mlp(
     gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
     (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`
     strategy: "loop" (the expert-major loops), "dense" (every expert for every token, weighted by
-    the routing; kept as a second reference form) or "auto" ("loop": measured faster than "dense"
+    the routing; differentiable, so training runs it) or "auto" ("loop": measured faster than "dense"
     at every row count, even on the bundled model's 8 experts of 18K parameters; see below)
     returns [tokens, hidden] in the dtype of `tokens`
     """

@@ -99,8 +99,9 @@ def block_logits(module: CloverTransformer, params: Params, prefix_ids: jax.Arra
     """float32 [b, B, V]: one pass, the prefix causal (from an empty state) then the block."""
     batch, width = prefix_ids.shape
     state = empty_state(module.config, batch, width, module.dtype, start)
-    return TransformerPasses(differentiable(module)).commit_and_denoise(params, prefix_ids, block_ids, state, coreset=coreset,
-                                                        coreset_top_p=coreset_top_p).logits
+    passes = TransformerPasses(differentiable(module))
+    return passes.commit_and_denoise(params, prefix_ids, block_ids, state, coreset=coreset,
+                                     coreset_top_p=coreset_top_p).logits
 
 
 def block_diffusion_loss(params: Params, module: CloverTransformer, batch: TrainBatch, key: jax.Array,
