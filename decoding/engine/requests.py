@@ -59,7 +59,7 @@ class PreparedRequest:
     thinking: bool
     seed: int
     lane: LaneKey
-    key: Any = None              # `sequence_key(seed)` as one slot's row ([1]), made on the caller's thread
+    key: Any = None              # `sequence_key_row(seed)`, made on the caller's thread
     schedule: Any = None         # diffusion: its parameters of the engine's schedule switch (one slot's row)
 
     @property
@@ -146,14 +146,9 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
                            int(request.seed), lane, sequence_key_row(int(request.seed)), schedule)
 
 
-def sequence_key(seed: int) -> jax.Array:
-    """The key a request alone draws from: `generate(key=jax.random.key(seed))`, prompt 0 (random
-    schedules draw from it in greedy decoding too)."""
-    return jax.random.fold_in(jax.random.key(seed), 0)
-
-
 @functools.lru_cache(maxsize=256)
 def sequence_key_row(seed: int) -> jax.Array:
-    """`sequence_key(seed)` with a slot axis ([1]), as a lane's entry holds it. Cached: most
-    requests share a seed (each call is a few device ops, ~0.1 ms)."""
-    return sequence_key(seed)[None]
+    """The key a request alone draws from, `generate(key=jax.random.key(seed))`'s for prompt 0
+    (random schedules draw from it in greedy decoding too), with a slot axis ([1]) as a lane's
+    entry holds it. Cached: most requests share a seed (each call is a few device ops, ~0.1 ms)."""
+    return jax.random.fold_in(jax.random.key(seed), 0)[None]
