@@ -185,6 +185,10 @@ _TOP_ROWS = {row.path: row for row in PARAMS if not row.in_layers}
 _LAYER_ROWS = {row.path: row for row in PARAMS if row.in_layers}
 
 
+# Paths, inside a decoder layer, of the routed-expert stacks (`[experts, ...]` leaves).
+ROUTED_EXPERT_PATHS: tuple[Path, ...] = tuple(row.path for row in PARAMS if row.transform == STACK_EXPERTS)
+
+
 def layer_params(layer_type: str) -> list[Param]:
     """The rows of one decoder layer of `layer_type` ("linear_attention" / "full_attention")."""
     return [row for row in _LAYER_ROWS.values() if row.where in (EVERY_LAYER, layer_type)]

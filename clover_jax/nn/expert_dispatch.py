@@ -23,15 +23,55 @@ step reads each used expert from memory once. Per-pair tiles (the earlier form) 
 expert for every pair routed to it, and `jax.lax.ragged_dot` there costs time in proportion to
 the expert count. The tile height adapts to the pass: one row in decoding, up to 128 rows in
 long prefills.
+
+The experts may also come one buffer per expert (a tuple, the CPU run layout of
+`clover_jax.nn.model.unstack_groups`): a single row then reads each chosen expert in place
+through a `switch` over the experts, where indexing a stack would copy it first (measured,
+medium model's experts, 8 layers x 8 experts of 3 MB, one row: 6.4 ms against 10.8 ms).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from clover_jax.core.kernels import EXPERT_STRATEGIES as STRATEGIES
 from clover_jax.core.quantization import QuantizedWeight, dequantize, take
+
+
+def per_expert(weights) -> bool:
+    """Whether routed-expert weights are held one buffer per expert (a tuple of arrays or of
+    `QuantizedWeight`s) rather than as one `[experts, ...]` stack."""
+    return type(weights) is tuple  # a QuantizedWeight is a tuple too, but not exactly one
+
+
+def stacked(weights):
+    """Routed-expert weights as one `[experts, ...]` stack (a copy when held one buffer per expert)."""
+    if per_expert(weights):
+        return jax.tree_util.tree_map(lambda *experts: jnp.stack(experts), *weights)
+    return weights
+
+
+def expert_count(weights) -> int:
+    return len(weights) if per_expert(weights) else weights.shape[0]
+
+
+def one_expert(weights, expert: jax.Array, dtype) -> jax.Array:
+    """Expert `expert`'s weight (traced index) in `dtype`, dequantised when quantised and
+    materialised: XLA:CPU copies a dynamic slice of a stack, and a `switch` over per-expert
+    buffers returns a copy of the chosen one."""
+    if per_expert(weights):
+        return jax.lax.switch(expert, [functools.partial(dequantize, weight, dtype) for weight in weights])
+    return dequantize(take(weights, expert), dtype)
+
+
+def expert_output(gate_up: jax.Array, down: jax.Array, rows: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) of one expert. rows: [m, hidden]; gate_up: [2I, hidden];
+    down: [hidden, I] (either may be quantised) -> [m, hidden] in the dtype of `rows`."""
+    gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, dequantize(gate_up, rows.dtype)), 2, axis=-1)
+    return jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(down, rows.dtype))
 
 
 def tile_rows_for(num_pairs: int, num_experts: int) -> int:
@@ -56,14 +96,15 @@ def routed_expert_mlp(
     (an id >= experts means "not held here": the pair is dropped, as an expert-parallel shard
     does with the pairs routed to other shards)
     gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
-    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`
+    (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`,
+    or a tuple of one expert's weights each (`per_expert`)
     strategy: "loop" (the expert-major loops), "dense" (every expert for every token, weighted by
     the routing; differentiable, so training runs it) or "auto" ("loop": measured faster than "dense"
     at every row count, even on the bundled model's 8 experts of 18K parameters; see below)
     returns [tokens, hidden] in the dtype of `tokens`
     """
     num_tokens, top_k = expert_ids.shape
-    num_experts = gate_up_proj.shape[0]
+    num_experts = expert_count(gate_up_proj)
     num_pairs = num_tokens * top_k
     hidden = tokens.shape[-1]
     if strategy not in STRATEGIES:
@@ -75,7 +116,7 @@ def routed_expert_mlp(
         # every expert on every token, which outgrows the loop's per-iteration cost at once.
         strategy = "loop"
     if strategy == "dense":
-        return _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+        return _every_expert_mlp(tokens, expert_ids, expert_weights, stacked(gate_up_proj), stacked(down_proj))
     if num_tokens == 1:
         return _single_token_mlp(tokens, expert_ids[0], expert_weights[0], gate_up_proj, down_proj)
     # An expert holds at most one pair per token, so no expert needs a tile taller than the tokens.
@@ -95,27 +136,28 @@ def routed_expert_mlp(
     sorted_rows = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype).at[:num_pairs].set(tokens[sorted_tokens])
     pair_outputs = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype)
 
-    def expert_step(carry):
-        slot, pair_outputs = carry
-        expert = used[slot]
-        # Dequantised (when quantised) and materialised once for all of this expert's tiles.
-        gate_up = dequantize(take(gate_up_proj, expert), tokens.dtype)
-        down = dequantize(take(down_proj, expert), tokens.dtype)
-        first, count = group_starts[expert], group_sizes[expert]
+    def expert_tiles(gate_up, down, pair_outputs, first, count):
+        """One expert's pairs (rows first .. first + count of `sorted_rows`), tile by tile."""
 
         def tile_step(tile_carry):
             tile, pair_outputs = tile_carry
             offset = first + tile * tile_rows
             rows = jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows)
-            gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
-            out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, down)
+            out = expert_output(gate_up, down, rows)
             # Rows past this expert's pairs belong to the next expert, which is visited later
             # and overwrites them (experts are visited in the order of their rows).
             return tile + 1, jax.lax.dynamic_update_slice_in_dim(pair_outputs, out, offset, axis=0)
 
         num_tiles = (count + tile_rows - 1) // tile_rows
-        _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), pair_outputs))
-        return slot + 1, pair_outputs
+        return jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), pair_outputs))[1]
+
+    def expert_step(carry):
+        slot, pair_outputs = carry
+        expert = used[slot]
+        # Materialised once for all of the expert's tiles: measured on XLA:CPU, tiles reading a copy
+        # beat tiles reading per-expert buffers in place (the copy stays in cache between tiles).
+        gate_up, down = one_expert(gate_up_proj, expert, tokens.dtype), one_expert(down_proj, expert, tokens.dtype)
+        return slot + 1, expert_tiles(gate_up, down, pair_outputs, group_starts[expert], group_sizes[expert])
 
     _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_used, expert_step, (jnp.int32(0), pair_outputs))
     kept = jnp.where(flat_experts[order] < num_experts, pair_weights, 0)
@@ -137,16 +179,20 @@ def _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_pro
 
 def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj):
     """One token (an autoregressive step at batch 1): its top-k experts are distinct, so a scan
-    over the choices reads each routed expert once. token: [1, hidden]; ids, weights: [top_k]."""
-    num_experts = gate_up_proj.shape[0]
+    over the choices reads each routed expert once — in place when the experts are held one
+    buffer per expert (a `switch` picks the branch that reads it), through a copy of the
+    stack's slice otherwise. token: [1, hidden]; ids, weights: [top_k]."""
+    num_experts = expert_count(gate_up_proj)
+    if per_expert(gate_up_proj):
+        branches = [functools.partial(expert_output, gate_up, down) for gate_up, down in zip(gate_up_proj, down_proj)]
+        output = lambda expert: jax.lax.switch(expert, branches, token)
+    else:
+        output = lambda expert: expert_output(take(gate_up_proj, expert), take(down_proj, expert), token)
 
     def choice(total, pair):
         expert, weight = pair
         held = expert < num_experts
-        expert = jnp.minimum(expert, num_experts - 1)
-        gate_up = dequantize(take(gate_up_proj, expert), token.dtype)
-        gate, up = jnp.split(jnp.einsum("mh,ih->mi", token, gate_up), 2, axis=-1)
-        out = jnp.einsum("mi,hi->mh", jax.nn.silu(gate) * up, dequantize(take(down_proj, expert), token.dtype))
+        out = output(jnp.minimum(expert, num_experts - 1))
         return total + jnp.where(held, weight, 0).astype(token.dtype) * out, None
 
     total, _ = jax.lax.scan(choice, jnp.zeros_like(token), (expert_ids, expert_weights))
@@ -168,6 +214,7 @@ def grouped_expert_mlp(
     ("megablox", "pallas", ...: `pallas_kernels.grouped_matmul_for_platform`'s names) in
     `platform`'s driver, interpreted or not, as `KernelChoice.expert_rule` resolved them."""
     num_tokens, top_k = expert_ids.shape
+    gate_up_proj, down_proj = stacked(gate_up_proj), stacked(down_proj)  # the kernels index one stack
     num_experts = gate_up_proj.shape[0]
     from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
 

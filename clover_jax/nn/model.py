@@ -12,7 +12,9 @@ group `i // len(pattern)`. Two loops run the groups (`CloverTransformer.layer_lo
   (`params["groups"]` is a tuple of per-group trees, `unstack_groups`). XLA:CPU copies any
   slice of a stacked weight before a matmul — measured: a matrix-vector product over slices of
   a stacked weight reads 2–10× slower than over separate arrays — so on CPU every weight is its
-  own buffer and a decoding step reads each one once. Compile time grows with the group count.
+  own buffer and a decoding step reads each one once; the routed experts too are held one
+  buffer per expert (a tuple per stack), which a single row reads in place
+  (`clover_jax.nn.expert_dispatch`). Compile time grows with the group count.
 
 The prefix state stays stacked in both: each layer reads and writes its group's slice of the
 state by group index (`dynamic_update_slice` in place, attention reading the K/V cache block by
@@ -42,7 +44,9 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
 from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.core.kernels import KernelChoice
+from clover_jax.core.params import ROUTED_EXPERT_PATHS
 from clover_jax.nn.layers import RMSNorm, table_param
+from clover_jax.nn.expert_dispatch import per_expert, stacked
 from clover_jax.nn.moe import SparseMoE
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
@@ -231,11 +235,13 @@ class TransformerPasses(ModelPasses):
 
 def unstack_groups(params: Params) -> Params:
     """The "unrolled" layout: `params["groups"]` becomes a tuple of per-group trees without the
-    group axis, each leaf its own array.
+    group axis, each leaf its own array, and each routed-expert stack a tuple of per-expert
+    weights (`clover_jax.nn.expert_dispatch.per_expert`) when it is held on one CPU device.
 
-    A leaf on one CPU device is split on the host: each group's slice of the stacked buffer is
-    handed to `device_put`, which adopts aligned host memory without copying, so the groups share
-    the stacked buffer (no copy, no compiled program); other leaves are sliced by XLA (a copy).
+    A leaf on one CPU device is split on the host: each slice of the stacked buffer is handed to
+    `device_put`, which adopts aligned host memory without copying, so the pieces share the
+    stacked buffer (no copy, no compiled program); other leaves are sliced by XLA (a copy), and
+    their expert stacks stay stacked.
     """
     if isinstance(params["groups"], tuple):
         return params
@@ -245,7 +251,39 @@ def unstack_groups(params: Params) -> Params:
         on_host = _host_view(leaf)
         for group, slices in enumerate(per_group):
             slices.append(jax.device_put(on_host[group], leaf.sharding) if on_host is not None else leaf[group])
-    return {**params, "groups": tuple(jax.tree_util.tree_unflatten(treedef, slices) for slices in per_group)}
+    groups = tuple(jax.tree_util.tree_unflatten(treedef, slices) for slices in per_group)
+    return {**params, "groups": tuple(_map_expert_stacks(group, _split_experts) for group in groups)}
+
+
+def _split_experts(weights):
+    """One group's expert stack (an array or a `QuantizedWeight`) as a tuple of per-expert values
+    sharing its host buffers, or unchanged when a leaf is not held on one CPU device."""
+    leaves, treedef = jax.tree_util.tree_flatten(weights)
+    views = [_host_view(leaf) for leaf in leaves]
+    if any(view is None for view in views):
+        return weights
+    return tuple(jax.tree_util.tree_unflatten(treedef, [jax.device_put(view[expert], leaf.sharding)
+                                                       for view, leaf in zip(views, leaves)])
+                 for expert in range(leaves[0].shape[0]))
+
+
+def _map_expert_stacks(group: dict, transform) -> dict:
+    """`group` (one group's tree: {layer_k: {...}}) with `transform` applied to each routed-expert stack."""
+    group = dict(group)
+    for slot, layer in group.items():
+        for path in ROUTED_EXPERT_PATHS:
+            *parents, name = path
+            nodes = [layer]
+            for parent in parents:
+                nodes.append(nodes[-1].get(parent, {}) if isinstance(nodes[-1], dict) else {})
+            if name not in nodes[-1]:
+                continue
+            rebuilt = {**nodes[-1], name: transform(nodes[-1][name])}
+            for node, parent in zip(reversed(nodes[:-1]), reversed(parents)):
+                rebuilt = {**node, parent: rebuilt}
+            layer = rebuilt
+        group[slot] = layer
+    return group
 
 
 def _host_view(leaf) -> "np.ndarray | None":
@@ -264,7 +302,8 @@ def stack_groups(params: Params) -> Params:
     """The canonical ("stacked") layout from either layout."""
     if not isinstance(params["groups"], tuple):
         return params
-    return {**params, "groups": jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *params["groups"])}
+    groups = [_map_expert_stacks(group, stacked) for group in params["groups"]]
+    return {**params, "groups": jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *groups)}
 
 
 def param_shapes(config: CloverConfig, dtype) -> Params:

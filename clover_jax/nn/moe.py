@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
-from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
+from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
 from clover_jax.core.kernels import ExpertRule, KernelChoice
 from clover_jax.core.passes import PassMode
 from clover_jax.core.quantization import QuantizedWeight
@@ -57,6 +57,7 @@ def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: j
     expert_axis = mesh_sharding.rules.experts if mesh_sharding.axis_size(mesh_sharding.rules.experts) > 1 else None
     data_axis = mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1 else None
     rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
+    gate_up_proj, down_proj = stacked(gate_up_proj), stacked(down_proj)  # split over the expert axis as one stack
 
     def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
         if expert_axis is None:
@@ -123,7 +124,8 @@ class SparseMoE(nn.Module):
         tokens = x.reshape(batch * num_tokens, hidden)
         pairs = (expert_ids.reshape(batch * num_tokens, top_k), expert_weights.reshape(batch * num_tokens, top_k))
         mesh = self.mesh_sharding
-        rule = self.kernels.expert_rule(isinstance(gate_up_proj, QuantizedWeight),
+        one = gate_up_proj[0] if per_expert(gate_up_proj) else gate_up_proj
+        rule = self.kernels.expert_rule(isinstance(one, QuantizedWeight),
                                         1 if mesh is None else mesh.axis_size(mesh.rules.experts), mesh is not None)
         if rule.per_device:
             routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)

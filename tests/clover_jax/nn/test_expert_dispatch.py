@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.nn.expert_dispatch import routed_expert_mlp, tile_rows_for
+from clover_jax.nn.expert_dispatch import per_expert, routed_expert_mlp, tile_rows_for
 
 HIDDEN, INTERMEDIATE = 16, 8
 
@@ -60,3 +60,28 @@ def test_tile_height_follows_rows_per_expert():
     assert tile_rows_for(32 * 8, 32) == 8      # a 32-row block, top-8 of 32
     assert tile_rows_for(2048 * 8, 256) == 64  # a 2048-token prefill chunk
     assert tile_rows_for(10**7, 8) == 128
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 200])
+@pytest.mark.parametrize("strategy", ["loop", "dense"])
+@pytest.mark.parametrize("bits", [None, 8])
+def test_experts_held_one_buffer_each_give_the_stacked_result(num_tokens, strategy, bits):
+    """The CPU run layout holds each expert in its own buffer (a tuple per stack, read in place
+    through a `switch`): the same arithmetic on the same values as indexing the stack."""
+    from clover_jax.core.quantization import QuantSpec, quantize
+
+    tokens, expert_ids, weights, gate_up, down = case(num_tokens, 6, 2, seed=num_tokens)
+    if bits is not None:
+        gate_up, down = (quantize(np.asarray(w), QuantSpec(bits=bits)) for w in (gate_up, down))
+    one_each = tuple(tuple(jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[expert]), w) for expert in range(6))
+                     for w in (gate_up, down))
+    assert per_expert(one_each[0]) and not per_expert(gate_up)
+    dispatch = jax.jit(functools.partial(routed_expert_mlp, strategy=strategy))
+    expected = dispatch(tokens, expert_ids, weights, gate_up, down)
+    np.testing.assert_allclose(dispatch(tokens, expert_ids, weights, *one_each), expected, atol=1e-6, rtol=1e-6)
+    # and a pair routed elsewhere (id >= experts) is dropped in this layout too
+    local_ids = jnp.where(expert_ids < 4, expert_ids, 6)
+    np.testing.assert_allclose(
+        dispatch(tokens, local_ids, weights, *(w[:4] for w in one_each)),
+        dispatch(tokens, local_ids, weights, *(jax.tree_util.tree_map(lambda leaf: leaf[:4], w) for w in (gate_up, down))),
+        atol=1e-6, rtol=1e-6)

@@ -29,6 +29,26 @@ def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
         choose_kernels("triton")
 
 
+def test_cpu_runs_each_expert_from_its_own_buffer_sharing_the_stack(clover):
+    """On CPU each routed-expert stack runs as a tuple of per-expert arrays (a single row reads its
+    experts in place), views of the stacked buffer rather than copies; `params` restacks them."""
+    from clover_jax.nn.expert_dispatch import per_expert
+    from clover_jax.nn.model import stack_groups, unstack_groups
+
+    config = clover.config
+    for name in ("experts_gate_up_proj", "experts_down_proj"):
+        experts = clover.run_params["groups"][0]["layer_0"]["mlp"][name]
+        assert per_expert(experts) and len(experts) == config.num_experts
+        stride = experts[0].size * experts[0].dtype.itemsize
+        first = experts[0].unsafe_buffer_pointer()
+        assert [expert.unsafe_buffer_pointer() - first for expert in experts] == [e * stride for e in range(len(experts))]
+    canonical = clover.params
+    gate_up = canonical["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"]
+    assert gate_up.shape == (config.num_groups, config.num_experts, 2 * config.moe_intermediate_size,
+                             config.hidden_size)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, stack_groups(unstack_groups(canonical)), canonical)
+
+
 def test_platforms_have_one_vocabulary_and_gpu_lowering_names_mean_gpu():
     from pallas_kernels import platforms
 
