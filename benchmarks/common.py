@@ -74,7 +74,7 @@ def ratio(numerator: float, denominator: float) -> float | None:
 
 
 def check(name: str, value: float | None, target: float, at_least: bool, bound: float | None = None,
-          note: str = "") -> dict:
+          note: str = "", bound_kind: str = "roofline") -> dict:
     """A target figure of `make bench`: `value` must be >= (`at_least`) or <= `target`.
 
     bound: the figure this machine would show if every pass in it ran exactly at its roofline
@@ -82,11 +82,14 @@ def check(name: str, value: float | None, target: float, at_least: bool, bound: 
     work it out. For a time against its own bound that is the best possible value; for a ratio
     of two times it is the ratio of their bounds, not a limit on the ratio, so a target beyond
     it is reported as "not met at the roofline" (the check still fails when the target is missed).
+    bound_kind: what `bound` is when it is not a roofline bound (a measured ceiling, e.g. "batching
+    ceiling"); the report names it.
     """
     passed = value is not None and (value >= target if at_least else value <= target)
     met_at_roofline = None if bound is None else (bound >= target if at_least else bound <= target)
     return {"name": name, "value": value, "target": target, "direction": ">=" if at_least else "<=",
-            "passed": passed, "at_roofline": bound, "met_at_roofline": met_at_roofline, "note": note}
+            "passed": passed, "at_roofline": bound, "met_at_roofline": met_at_roofline, "note": note,
+            "bound_kind": bound_kind}
 
 
 def machine() -> dict[str, Any]:

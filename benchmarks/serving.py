@@ -244,7 +244,7 @@ def main(argv=None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     checks = [check(f"serving tokens/s at concurrency 16 / generate one at a time ({name})",
                     result["ratios"]["concurrency_16_over_one_at_a_time"], TARGET, True,
-                    bound=result["batching_ceiling"]["ceiling"],
+                    bound=result["batching_ceiling"]["ceiling"], bound_kind="batching ceiling",
                     note="bound: the forward's own batching ceiling (16 one-sequence passes over one 16-sequence "
                          "pass, measured in this run); the engine cannot exceed it by batching")
               for name, result in models.items()]

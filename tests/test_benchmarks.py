@@ -70,3 +70,25 @@ def test_run_all_keeps_the_saved_results_of_the_scripts_it_did_not_run(tmp_path)
     text = run_all.render(reused, host, quick=False, total_seconds=1.0)
     assert "Reused from the run of yesterday." in text and "except roofline, reused from earlier runs" in text
     assert run_all.reuse(str(tmp_path / "missing.json"), ran=["load"]) == []
+
+
+def test_the_diffusion_ceiling_charges_each_diffusion_forward_one_autoregressive_step():
+    """Per prompt: F = the 1-token autoregressive call, s = (call - F) / (NFE - 1); the ideal diffusion
+    call is F + NFE_diffusion * s, plus the diffusion call's measured host time."""
+    from benchmarks import run_all
+    from benchmarks.common import check
+    from benchmarks.decoding import diffusion_ceiling
+
+    ms = 1e-3
+    first = {"per_prompt": [{"outside": 0.2 * ms, "inside": 1.0 * ms, "nfe": 1, "tokens": 1}]}
+    ar = {"per_prompt": [{"outside": 0.2 * ms, "inside": 2.3 * ms, "nfe": 14, "tokens": 14}]}  # s = 0.1 ms
+    diffusion = {"per_prompt": [{"outside": 0.4 * ms, "inside": 3.0 * ms, "nfe": 2, "tokens": 14}]}
+    ceiling = diffusion_ceiling(diffusion, ar, first)
+    # ideal diffusion: 0.4 + 1.0 + 2 * 0.1 = 1.6 ms for 14 tokens; autoregressive: 2.5 ms for 14 tokens
+    assert abs(ceiling["tokens_per_s_ratio"] - 2.5 / 1.6) < 1e-9
+    assert abs(ceiling["forward_cost_ratio"] - (1.2 / 2) / (2.3 / 14)) < 1e-9
+    assert abs(ceiling["autoregressive_fixed_ms"] - 1.0) < 1e-9 and abs(ceiling["host_ms"] - 0.4) < 1e-9
+    missed = check("ratio", 0.8, 2.5, True, bound=ceiling["tokens_per_s_ratio"], bound_kind="fixed-cost ceiling")
+    assert not missed["passed"] and missed["met_at_roofline"] is False
+    assert run_all.bound_text(missed) == "1.56 (fixed-cost ceiling)"
+    assert run_all.bound_text(check("time", 3.0, 1.5, False, bound=1.0)) == "1"
