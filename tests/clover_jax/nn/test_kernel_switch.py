@@ -30,23 +30,44 @@ def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
 
 
 def test_cpu_runs_each_expert_from_its_own_buffer_sharing_the_stack(clover):
-    """On CPU each routed-expert stack runs as a tuple of per-expert arrays (a single row reads its
-    experts in place), views of the stacked buffer rather than copies; `params` restacks them."""
+    """On CPU a layer's routed-expert stacks of large experts run as tuples of per-expert arrays (a
+    single row reads its experts in place), views of the stacked buffer rather than copies;
+    `params` restacks them. Experts under `PER_EXPERT_MIN_BYTES` (this model's) stay stacked."""
     from clover_jax.nn.expert_dispatch import per_expert
-    from clover_jax.nn.model import stack_groups, unstack_groups
+    from clover_jax.nn.model import PER_EXPERT_MIN_BYTES, stack_groups, unstack_groups
 
     config = clover.config
-    for name in ("experts_gate_up_proj", "experts_down_proj"):
-        experts = clover.run_params["groups"][0]["layer_0"]["mlp"][name]
-        assert per_expert(experts) and len(experts) == config.num_experts
-        stride = experts[0].size * experts[0].dtype.itemsize
-        first = experts[0].unsafe_buffer_pointer()
-        assert [expert.unsafe_buffer_pointer() - first for expert in experts] == [e * stride for e in range(len(experts))]
+    mlp = clover.run_params["groups"][0]["layer_0"]["mlp"]
+    expert_bytes = sum(mlp[name][0].nbytes for name in ("experts_gate_up_proj", "experts_down_proj"))
+    assert expert_bytes < PER_EXPERT_MIN_BYTES and not per_expert(mlp["experts_gate_up_proj"])
     canonical = clover.params
+    for min_bytes in (expert_bytes, expert_bytes + 1):
+        split = unstack_groups(canonical, per_expert_min_bytes=min_bytes)["groups"][0]["layer_0"]["mlp"]
+        for name in ("experts_gate_up_proj", "experts_down_proj"):
+            experts = split[name]
+            assert per_expert(experts) == (min_bytes == expert_bytes)
+            if not per_expert(experts):
+                continue
+            assert len(experts) == config.num_experts
+            stride = experts[0].size * experts[0].dtype.itemsize
+            first = experts[0].unsafe_buffer_pointer()
+            assert [expert.unsafe_buffer_pointer() - first for expert in experts] == [
+                e * stride for e in range(len(experts))]
     gate_up = canonical["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"]
     assert gate_up.shape == (config.num_groups, config.num_experts, 2 * config.moe_intermediate_size,
                              config.hidden_size)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, stack_groups(unstack_groups(canonical)), canonical)
+    split = unstack_groups(canonical, per_expert_min_bytes=0)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, stack_groups(split), canonical)
+    # the model gives the same logits from either layout: a 6-row causal pass, then one row
+    ids = token_ids(1, 7, config.vocab_size)
+
+    @jax.jit
+    def two_passes(params):
+        first = clover.passes.causal(params, ids[:, :6], clover.passes.new_state(1, 8))
+        return first.logits, clover.passes.causal(params, ids[:, 6:], first.state).logits
+
+    for expected, got in zip(two_passes(clover.run_params), two_passes(split)):
+        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_platforms_have_one_vocabulary_and_gpu_lowering_names_mean_gpu():
