@@ -119,6 +119,13 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
                   + (f"; self-speculative {f(overhead['self_speculative']['median_ms'])} ms (compiled call "
                      f"{f(overhead['self_speculative']['compiled_call_median_ms'])} ms)"
                      if "self_speculative" in overhead else "") + ".", ""]
+    ceiling = j.get("ceiling_if_a_diffusion_forward_cost_an_autoregressive_step")
+    if ceiling:
+        lines += [f"Fixed-cost ceiling (`diffusion_ceiling`): an autoregressive call spends "
+                  f"{f(ceiling['autoregressive_fixed_ms'])} ms on its prefill and first token; if every "
+                  f"diffusion forward cost one autoregressive step after that, diffusion / clover AR "
+                  f"tokens/s would be {f(ceiling['tokens_per_s_ratio'])} and the forward cost ratio "
+                  f"{f(ceiling['forward_cost_ratio'])}.", ""]
     summary = [["decoding", "diffusion / clover AR tokens/s", f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
                ["decoding", "diffusion / transformers tokens/s", f(ratios["diffusion_over_transformers_tokens_per_s"])],
                ["decoding", "clover AR / transformers tokens/s",
