@@ -25,6 +25,10 @@ QWEN36_LIKE = dict(
 # (the serving tests compile many programs: every lane shape, every reference `generate` call).
 TWO_LAYERS = dict(QWEN36_LIKE, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
+# QWEN36_LIKE's widths in two groups of (GDN, attention): both layer types and two groups in half
+# the layers, so about 40% less compile time (the sharding tests compile every program per mesh).
+TWO_GROUPS = dict(QWEN36_LIKE, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
+
 # A different shape: alternating GDN / attention, tied embeddings, one K/V head,
 # key heads = value heads, half the head dims rotating, top-3 of 5 experts.
 TIED_ONE_TO_ONE = dict(

@@ -1,5 +1,6 @@
 """The model on a mesh of 8 fake CPU devices equals the single-device model (logits, denoise
-logits, generated tokens), one process or two joined by `jax.distributed`."""
+logits, generated tokens), one process or two joined by `jax.distributed`. The model has
+QWEN36_LIKE's widths in two groups of (GDN, attention) (`TWO_GROUPS`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import sys
 import numpy as np
 import pytest
 
+from tests.checkpoints import TWO_GROUPS, add_clover_tensors, write_hf_checkpoint
 from tests.clover_jax.parallel import sharded_run
+from tests.conftest import MASK_ID
 
 SCRIPT = sharded_run.__file__
 # "@inference": the planner's rules, the dense weights split over the expert axis (2 x 4 here).
@@ -25,6 +28,21 @@ def _environment(devices: int) -> dict:
                        JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     environment["PYTHONPATH"] = os.pathsep.join([os.getcwd(), environment.get("PYTHONPATH", "")])
     return environment
+
+
+@pytest.fixture(scope="module")
+def clover_checkpoint(tmp_path_factory) -> str:
+    """Every program compiles once per mesh here, so the model is the smallest that still has two
+    groups and both layer types (the compile time grows with the layers: XLA:CPU runs them unrolled)."""
+    backbone = write_hf_checkpoint(tmp_path_factory.mktemp("two_groups"), TWO_GROUPS, seed=0)
+    return add_clover_tensors(backbone, str(tmp_path_factory.mktemp("two_groups_clover")), mask_token_id=MASK_ID)
+
+
+@pytest.fixture(scope="module")
+def clover(clover_checkpoint):
+    from clover_jax import CloverModel
+
+    return CloverModel.from_pretrained(clover_checkpoint, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +83,12 @@ def test_parameters_are_sharded_as_the_rules_say(on_meshes, clover):
     experts = on_meshes["1,8,1"]["shard_shapes"]["groups/layer_0/mlp/experts_gate_up_proj"]
     assert experts[1] == config.num_experts // 8                       # expert-parallel
     mixed = on_meshes["2,2,2"]["shard_shapes"]
-    assert mixed["groups/layer_3/self_attn/q_proj/weight"][1] == 2 * config.num_attention_heads * config.head_dim // 2
-    assert mixed["groups/layer_3/self_attn/k_proj/weight"][1] == config.num_key_value_heads * config.head_dim // 2
+    assert mixed["groups/layer_1/self_attn/q_proj/weight"][1] == 2 * config.num_attention_heads * config.head_dim // 2
+    assert mixed["groups/layer_1/self_attn/k_proj/weight"][1] == config.num_key_value_heads * config.head_dim // 2
     assert mixed["groups/layer_0/linear_attn/in_proj_z/weight"][1] == config.linear_value_dim // 2
     tensor = on_meshes["1,1,8"]["shard_shapes"]
     # 4 query heads and 2 K/V heads do not split 8 ways: replicated, not refused.
-    assert tensor["groups/layer_3/self_attn/q_proj/weight"][1] == 2 * config.num_attention_heads * config.head_dim
+    assert tensor["groups/layer_1/self_attn/q_proj/weight"][1] == 2 * config.num_attention_heads * config.head_dim
     assert tensor["groups/layer_0/mlp/shared_expert/gate_proj/weight"][1] == config.shared_expert_intermediate_size // 8
     assert tensor["embed_tokens/embedding"][0] == config.vocab_size // 8
 
