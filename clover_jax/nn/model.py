@@ -12,8 +12,8 @@ group `i // len(pattern)`. Two loops run the groups (`CloverTransformer.layer_lo
   (`params["groups"]` is a tuple of per-group trees, `unstack_groups`). XLA:CPU copies any
   slice of a stacked weight before a matmul — measured: a matrix-vector product over slices of
   a stacked weight reads 2–10× slower than over separate arrays — so on CPU every weight is its
-  own buffer and a decoding step reads each one once; the routed experts too are held one
-  buffer per expert (a tuple per stack), which a single row reads in place
+  own buffer and a decoding step reads each one once; routed experts of 1 MiB or more are held
+  one buffer per expert too (a tuple per stack), which a single row reads in place
   (`clover_jax.nn.expert_dispatch`). Compile time grows with the group count.
 
 The prefix state stays stacked in both: each layer reads and writes its group's slice of the
@@ -46,7 +46,7 @@ from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.params import ROUTED_EXPERT_PATHS
 from clover_jax.nn.layers import RMSNorm, table_param
-from clover_jax.nn.expert_dispatch import per_expert, stacked
+from clover_jax.nn.expert_dispatch import stacked
 from clover_jax.nn.moe import SparseMoE
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
