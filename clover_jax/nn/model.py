@@ -284,8 +284,10 @@ def _split_experts(stacks: list, min_bytes: int) -> list:
 def _map_expert_stacks(group: dict, transform) -> dict:
     """`group` (one group's tree: {layer_k: {...}}) with each layer's routed-expert stacks replaced
     by `transform(stacks)` (a list in `ROUTED_EXPERT_PATHS` order, and one back)."""
-    def node(tree, path):
+    def found(tree, path):
         for name in path:
+            if not isinstance(tree, dict) or name not in tree:
+                return None
             tree = tree[name]
         return tree
 
@@ -294,20 +296,13 @@ def _map_expert_stacks(group: dict, transform) -> dict:
 
     group = dict(group)
     for slot, layer in group.items():
-        paths = [path for path in ROUTED_EXPERT_PATHS if _has_path(layer, path)]
+        stacks = {path: found(layer, path) for path in ROUTED_EXPERT_PATHS}
+        paths = [path for path, stack in stacks.items() if stack is not None]
         if paths:
-            for path, value in zip(paths, transform([node(layer, path) for path in paths])):
+            for path, value in zip(paths, transform([stacks[path] for path in paths])):
                 layer = replaced(layer, path, value)
             group[slot] = layer
     return group
-
-
-def _has_path(tree, path) -> bool:
-    for name in path:
-        if not isinstance(tree, dict) or name not in tree:
-            return False
-        tree = tree[name]
-    return True
 
 
 def _host_view(leaf) -> "np.ndarray | None":
