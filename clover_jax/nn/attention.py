@@ -26,10 +26,12 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.streams import StreamMode
 from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
 from clover_jax.nn.rope import apply_partial_rope, rope_angles
+from clover_jax.nn.stream_attention import two_stream_attention
 from clover_jax.core.state import KVCache, Rows
 
 
@@ -58,8 +60,16 @@ class GatedAttention(nn.Module):
         value = split_heads(Linear(config, self.dtype, name="v_proj")(x), kv_heads)
         query = RMSNorm(config, self.dtype, name="q_norm")(query)
         key = RMSNorm(config, self.dtype, name="k_norm")(key)
-        cos, sin = rope_angles(rows.positions, config.rotary_dim, config.rope_theta)
+        streams = isinstance(mode, StreamMode)  # a training pass (clover_jax.core.streams): no cache
+        positions = (jnp.concatenate([rows.positions, rows.noisy_positions(mode.block_size)], axis=1) if streams
+                     else rows.positions)
+        cos, sin = rope_angles(positions, config.rotary_dim, config.rope_theta)
         query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
+        if streams:
+            out = two_stream_attention(query, key, value, clean_length=rows.segment.shape[1],
+                                       block_size=mode.block_size,
+                                       clean_mask=rows.clean_attention_mask(mode.block_size))
+            return self._output(out, gate), None
 
         causal = mode.num_causal
         if causal:
@@ -95,5 +105,9 @@ class GatedAttention(nn.Module):
             out = fused_attention(query, segments, self.kernels.platform)
         else:
             out = online_attention(query, segments, self.key_block)
+        return self._output(out, gate), cache
+
+    def _output(self, out: jax.Array, gate: jax.Array) -> jax.Array:
+        """`o_proj(o * sigmoid(gate))`. out, gate: [b, t, heads, head_dim] -> [b, t, hidden]."""
         out = rearrange(out, "b t h d -> b t (h d)") * jax.nn.sigmoid(rearrange(gate, "b t h d -> b t (h d)"))
-        return Linear(config, self.dtype, name="o_proj")(out), cache
+        return Linear(self.config, self.dtype, name="o_proj")(out)

@@ -74,8 +74,46 @@ def chunked_gated_delta_rule(
     initial_state: float32 [batch, value_heads, key_dim, value_dim] or None (zeros)
     returns (float32 [batch, tokens, value_heads, value_dim], float32 final state)
     """
+    inputs = _float32_inputs(query, key, value, decay, beta, initial_state)
+    out, state, _ = _chunk_scan(*inputs, chunk_size=chunk_size)
+    return out, state
+
+
+def gated_delta_rule_with_block_states(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    decay: jax.Array,
+    beta: jax.Array,
+    *,
+    block_size: int,
+    resets: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The chunked rule over rows of packed examples, with the state at every block boundary.
+
+    Arguments as `chunked_gated_delta_rule` (tokens a multiple of `block_size`, starting from a
+    zero state); resets: bool [batch, tokens // block_size], the blocks where an example starts,
+    before which the state restarts from zeros. Block boundaries are chunk boundaries (a chunk is
+    one block, or 64 rows when a block is a multiple of 64), so each state is exact.
+    returns (float32 outputs [batch, tokens, value_heads, value_dim],
+             float32 states before each block [batch, blocks, value_heads, key_dim, value_dim])
+    """
     num_tokens = key.shape[1]
-    query, key, value, decay, beta, state = _float32_inputs(query, key, value, decay, beta, initial_state)
+    if num_tokens % block_size:
+        raise ValueError(f"{num_tokens} rows are not a whole number of blocks of {block_size}")
+    chunk = CHUNK_SIZE if block_size > CHUNK_SIZE and block_size % CHUNK_SIZE == 0 else block_size
+    per_block = block_size // chunk
+    chunk_resets = jnp.zeros((resets.shape[0], num_tokens // chunk), bool).at[:, ::per_block].set(resets)
+    out, _, before = _chunk_scan(*_float32_inputs(query, key, value, decay, beta, None), chunk_size=chunk,
+                                 resets=chunk_resets)
+    return out, before[:, ::per_block]
+
+
+def _chunk_scan(query, key, value, decay, beta, state, *, chunk_size: int, resets: jax.Array | None = None):
+    """The chunked rule on float32 inputs (key heads repeated): (outputs, final state, and with
+    `resets` the state before each chunk [batch, chunks, value_heads, key_dim, value_dim], else
+    None). resets: None, or bool [batch, chunks], chunks before which the state restarts from zeros."""
+    num_tokens = key.shape[1]
 
     # Zero padding is inert: g = 0 keeps the state, beta = 0 and k = 0 write nothing.
     pad = (-num_tokens) % chunk_size
@@ -105,19 +143,23 @@ def chunked_gated_delta_rule(
     chunk_decay = jnp.exp(cumulative[..., -1])  # [b, h, n]
 
     def step(state, chunk):
-        new_value, decayed_key, query_c, key_c, intra, decay_c = chunk
+        new_value, decayed_key, query_c, key_c, intra, decay_c, *reset = chunk
+        if reset:  # the training layout: packed examples, and the state before every chunk kept
+            state = jnp.where(reset[0][:, None, None, None], 0.0, state)
+        before = state if reset else None
         correction = new_value - jnp.einsum("bhcd,bhde->bhce", decayed_key, state, precision=_EXACT)
         out = (jnp.einsum("bhcd,bhde->bhce", query_c, state, precision=_EXACT)
                + jnp.einsum("bhij,bhje->bhie", intra, correction, precision=_EXACT))
         state = state * decay_c[..., None, None] + jnp.einsum(
             "bhcd,bhce->bhde", key_c, correction, precision=_EXACT)
-        return state, out
+        return state, (out, before)
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
-    state, out = jax.lax.scan(step, state, tuple(map(chunk_major, (
-        new_values, decayed_keys, query_decayed, key_to_chunk_end, intra_chunk, chunk_decay))))
+    inputs = tuple(map(chunk_major, (new_values, decayed_keys, query_decayed, key_to_chunk_end, intra_chunk,
+                                     chunk_decay)))
+    state, (out, before) = jax.lax.scan(step, state, inputs if resets is None else inputs + (resets.T,))
     out = rearrange(out, "n b h c e -> b (n c) h e")[:, :num_tokens]
-    return out, state
+    return out, state, None if before is None else jnp.moveaxis(before, 0, 1)
 
 
 def recurrent_gated_delta_step(

@@ -36,34 +36,14 @@ from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from clover_jax.nn.gdn_streams import two_stream_core
+from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
 from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.streams import StreamMode
 from clover_jax.parallel.sharding import MeshSharding
 from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
-
-
-def causal_depthwise_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
-    """Depthwise convolution of each channel over the last K rows up to each position.
-
-    window: [batch, K-1 + tokens, channels] (the previous K-1 rows, then the new rows)
-    weight: [channels, K]
-    returns [batch, tokens, channels]; row i is Σ_j weight[:, j] · window[i + j]
-    """
-    kernel = weight.shape[-1]
-    num_tokens = window.shape[1] - (kernel - 1)
-    return sum(window[:, j:j + num_tokens] * weight[:, j] for j in range(kernel))
-
-
-def right_context_conv(rows: jax.Array, weight: jax.Array) -> jax.Array:
-    """r_i = Σ_{t<K} weight[:, t] · rows[i + 1 + t], rows past the block being zero.
-
-    rows: [batch, block, channels]; weight: [channels, K] -> [batch, block, channels]
-    """
-    kernel = weight.shape[-1]
-    padded = jnp.pad(rows, [(0, 0), (0, kernel), (0, 0)])
-    block = rows.shape[1]
-    return sum(padded[:, 1 + t:1 + t + block] * weight[:, t] for t in range(kernel))
 
 
 def block_mode_attention(
@@ -149,6 +129,27 @@ class GatedDeltaNet(nn.Module):
             table_param(self, config, name) for name in ("conv1d_right_weight", "block_logit_scale",
                                                          "memory_logit_bias", "block_size_calibration"))
 
+        def split_qkv(activated):
+            query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+            query = l2_normalize(rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            key = l2_normalize(rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            return query, key, rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
+
+        repeat = lambda y: jnp.repeat(y, heads // config.linear_num_key_heads, axis=2)
+        decay_of = lambda logit: -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+            logit.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        block_mode = functools.partial(
+            block_mode_attention, block_logit_scale=block_logit_scale.astype(jnp.float32),
+            memory_logit_bias=memory_logit_bias.astype(jnp.float32),
+            block_size_calibration=block_size_calibration.astype(jnp.float32))
+
+        if isinstance(mode, StreamMode):  # a training pass: both streams, no state (clover_jax.core.streams)
+            mixed = mixed.astype(self.dtype)
+            core = two_stream_core(mixed, beta_logit, decay_logit, rows, mode, conv_weight=conv_weight,
+                                   right_weight=right_weight, split_qkv=split_qkv, repeat=repeat, decay_of=decay_of,
+                                   block_mode=block_mode)
+            return self._output(core, gate), None
+
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
         causal, cores = mode.num_causal, []
@@ -161,18 +162,11 @@ class GatedDeltaNet(nn.Module):
             all_groups, ours.astype(all_groups.dtype), group, 0)
         state = jax.tree_util.tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, group, keepdims=False), stacked)
 
-        def split_qkv(activated):
-            query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
-            query = l2_normalize(rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
-            key = l2_normalize(rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
-            return query, key, rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
-
         if causal:
             window = jnp.concatenate([state.conv.astype(self.dtype), mixed[:, :causal]], axis=1)
             query, key, value = split_qkv(jax.nn.silu(causal_depthwise_conv(window, conv_weight)))
             beta = jax.nn.sigmoid(beta_logit[:, :causal])
-            decay = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
-                decay_logit[:, :causal].astype(jnp.float32) + dt_bias.astype(jnp.float32))
+            decay = decay_of(decay_logit[:, :causal])
             rule = gated_delta_rule(self.kernels.gdn_rule(causal))
             if self.kernels.gdn_rule(causal).kernel == "pallas" and self.mesh_sharding is not None:
                 rule = on_mesh(rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads)
@@ -197,14 +191,15 @@ class GatedDeltaNet(nn.Module):
             window = jnp.concatenate([state.conv.astype(self.dtype), block], axis=1)
             activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
             query, key, value = split_qkv(activated)
-            repeat = lambda y: jnp.repeat(y, heads // config.linear_num_key_heads, axis=2)
-            cores.append(block_mode_attention(
-                repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent,
-                block_logit_scale.astype(jnp.float32), memory_logit_bias.astype(jnp.float32),
-                block_size_calibration.astype(jnp.float32)))
+            cores.append(block_mode(repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent))
 
         core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
+        return self._output(core, gate), stacked if record is None else RecordingGDN(stacked, record)
+
+    def _output(self, core: jax.Array, gate: jax.Array) -> jax.Array:
+        """The gated RMSNorm with z, then `out_proj`. core: float32 [b, t, value_heads, value_dim];
+        gate: [b, t, value_dim] -> [b, t, hidden]."""
+        config = self.config
         gate = rearrange(gate, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
         normed = GatedRMSNorm(config, self.dtype, name="norm")(core.astype(self.dtype), gate)
-        out = Linear(config, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))
-        return out, stacked if record is None else RecordingGDN(stacked, record)
+        return Linear(config, self.dtype, name="out_proj")(rearrange(normed, "b t h d -> b t (h d)"))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +47,10 @@ from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.params import ROUTED_EXPERT_PATHS
 from clover_jax.nn.layers import RMSNorm, table_param
 from clover_jax.nn.expert_dispatch import stacked
-from clover_jax.nn.moe import SparseMoE
+from clover_jax.nn.moe import RouterStats, SparseMoE
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
+from clover_jax.core.streams import StreamMode, Streams
 
 LAYER_LOOPS = ("scan", "unrolled")
 
@@ -59,6 +60,17 @@ def layer_loop_for(platform: str) -> str:
     every slice of a stacked weight before a matmul), scanned on accelerators (which read a
     group's slice in place, and whose compile time then does not grow with depth)."""
     return "unrolled" if platform == "cpu" else "scan"
+
+
+class StreamOutput(NamedTuple):
+    """A training pass's result: hidden: [b, L + N * block, hidden_size], both streams after the
+    final norm; head: [vocab, hidden_size], the LM head (the logits of a row are `head @ hidden`:
+    the loss reads them a chunk at a time); router_stats: `RouterStats` with leading [layers]
+    (collected when the "intermediates" collection is mutable, else None)."""
+
+    hidden: jax.Array
+    head: jax.Array
+    router_stats: RouterStats | None
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +99,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + mixed
         feed_forward = RMSNorm(config, self.dtype, name="post_attention_layernorm")(hidden)
         feed_forward = SparseMoE(config, self.dtype, self.kernels, self.mesh_sharding, name="mlp")(
-            feed_forward, mode, coreset_top_p)
+            feed_forward, mode, coreset_top_p, streams=rows if isinstance(mode, StreamMode) else None)
         return hidden + feed_forward, state
 
 
@@ -141,11 +153,13 @@ class CloverTransformer(nn.Module):
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
     layer_loop: str = "scan"
+    remat: bool = False  # recompute each layer group in the backward pass (training; scanned groups)
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array, state: ModelState, num_causal: int | None = None,
+    def __call__(self, input_ids: jax.Array, state: ModelState | None, num_causal: int | None = None,
                  logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0,
-                 commit: jax.Array | None = None) -> PassOutput:
+                 commit: jax.Array | None = None, *, streams: Streams | None = None,
+                 block_size: int | None = None) -> PassOutput | StreamOutput:
         """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
 
         num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
@@ -154,15 +168,24 @@ class CloverTransformer(nn.Module):
         rows) or bool [batch], which sequences do (`clover_jax.core.state.rows_for`). Applied with
         the "intermediates" collection mutable, the output's `distinct_experts` holds each layer's
         distinct experts [layers, batch]; otherwise it is None.
+
+        A training pass (`streams` given, `state` None): `input_ids` is the clean stream [b, L]
+        followed by the noisy blocks [b, N * block_size] (`clover_jax.core.streams`); the result is
+        a `StreamOutput` with the final hidden states of both streams, not logits.
         """
         config = self.config
         num_tokens = input_ids.shape[1]
-        num_causal = num_tokens if num_causal is None else num_causal
-        rows = rows_for(state, num_tokens, num_causal, commit)
         embedding = Embedding(config, self.dtype, name="embed_tokens")
         hidden = constrain_batch(embedding(input_ids), self.mesh_sharding)
         group_args = (config, self.dtype, self.kernels, self.mesh_sharding)
-        mode = PassMode(num_causal, coreset)
+        if streams is not None:
+            rows, mode = streams, StreamMode(block_size, coreset)
+            state = ModelState(length=jnp.zeros((), jnp.int32), start=jnp.zeros(input_ids.shape[:1], jnp.int32),
+                               layers={slot_name(slot): None for slot in range(len(config.group_pattern))})
+        else:
+            num_causal = num_tokens if num_causal is None else num_causal
+            rows = rows_for(state, num_tokens, num_causal, commit)
+            mode = PassMode(num_causal, coreset)
         collecting = self.is_mutable_collection("intermediates")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop={self.layer_loop!r} is not one of {LAYER_LOOPS}")
@@ -180,18 +203,28 @@ class CloverTransformer(nn.Module):
             hidden, layers = carry
             sown = jax.tree_util.tree_map(lambda *per_group: jnp.stack(per_group), *sown) if collecting else None
         else:
-            groups = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+            group_module = nn.remat(LayerGroup, static_argnums=(4,)) if self.remat else LayerGroup
+            groups = nn.scan(group_module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_groups)
             (hidden, layers), _ = groups(*group_args, name="groups")(
                 (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
             sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None
         hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])
         head = embedding.table() if config.tie_word_embeddings else table_param(self, config, "lm_head")
+        if streams is not None:
+            return StreamOutput(hidden, head, None if sown is None else self.router_stats_by_layer(sown))
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
         appended = num_causal if rows.committed is None else rows.committed
         new_state = ModelState(length=rows.length + appended, start=state.start, layers=layers)
         distinct = None if sown is None else self.distinct_by_layer(sown, input_ids.shape[0])
         return PassOutput(logits, new_state, distinct)
+
+    def router_stats_by_layer(self, sown: dict) -> RouterStats:
+        """Each MoE layer's `RouterStats` from the sown {layer_k: {mlp: {router_stats: (stats with
+        leading [groups],)}}}, stacked in layer order: every leaf [layers, ...]."""
+        per_slot = [sown[slot_name(slot)]["mlp"]["router_stats"][0] for slot in range(len(self.config.group_pattern))]
+        return jax.tree_util.tree_map(lambda *slots: jnp.stack(slots, axis=1).reshape((-1,) + slots[0].shape[1:]),
+                                      *per_slot)
 
     def distinct_by_layer(self, sown: dict, batch: int) -> jax.Array:
         """int32 [layers, batch] from the sown {layer_k: {mlp: {distinct_experts: ([groups, batch],)}}}

@@ -18,7 +18,7 @@ values where an all-to-all would move `rows × top_k × hidden` twice.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
 from clover_jax.core.kernels import ExpertRule, KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.core.quantization import QuantizedWeight
 from clover_jax.nn.layers import Linear, table_param
 from clover_jax.parallel.sharding import MeshSharding
@@ -74,6 +75,32 @@ def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: j
                          check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
 
 
+class RouterStats(NamedTuple):
+    """One MoE layer's routing over the rows of real examples in a training pass, summed (so that
+    steps and devices add up): probability: float32 [experts], Σ router probabilities; dispatched:
+    float32 [experts], pairs dispatched to each expert (after the coreset, pairs of weight 0 not
+    counted); z: float32 [], Σ logsumexp(router logits)²; rows: float32 [], the rows counted."""
+
+    probability: jax.Array
+    dispatched: jax.Array
+    z: jax.Array
+    rows: jax.Array
+
+
+def router_stats(router_logits: jax.Array, probabilities: jax.Array, expert_ids: jax.Array,
+                 expert_weights: jax.Array, real: jax.Array) -> RouterStats:
+    """router_logits, probabilities: float32 [b, t, experts]; expert_ids, expert_weights: [b, t, top_k];
+    real: bool [b, t], the rows of real examples."""
+    num_experts = probabilities.shape[-1]
+    weight = real.astype(jnp.float32)
+    used = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32) * (expert_weights > 0)[..., None]
+    return RouterStats(
+        probability=jnp.einsum("bte,bt->e", probabilities, weight),
+        dispatched=jnp.einsum("btke,bt->e", used, weight),
+        z=jnp.sum(jnp.square(jax.nn.logsumexp(router_logits, axis=-1)) * weight),
+        rows=jnp.sum(weight))
+
+
 class SharedExpert(nn.Module):
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
@@ -94,14 +121,23 @@ class SparseMoE(nn.Module):
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, mode: PassMode, coreset_top_p: jax.Array | float = 1.0) -> jax.Array:
+    def __call__(self, x: jax.Array, mode: PassMode | StreamMode, coreset_top_p: jax.Array | float = 1.0,
+                 streams: Streams | None = None) -> jax.Array:
         """x: [batch, tokens, hidden] -> [batch, tokens, hidden]. mode: the leading causal rows route
         plainly, the block rows within their coreset when `mode.coreset`. When the "intermediates"
         collection is asked for, the distinct experts of the block rows (int32 [batch]) are sown
-        there as "distinct_experts"."""
+        there as "distinct_experts".
+
+        In a training pass (`mode` a `StreamMode`, `streams` its layout) the clean rows route
+        plainly and each noisy block within its own coreset; with "intermediates" asked for, the
+        router's statistics over the rows of real examples are sown as "router_stats"
+        (`RouterStats`, for the load-balance and z losses)."""
         config = self.config
         batch, num_tokens, hidden = x.shape
-        top_k, causal = config.num_experts_per_tok, mode.num_causal
+        training = isinstance(mode, StreamMode)
+        top_k = config.num_experts_per_tok
+        causal = streams.segment.shape[1] if training else mode.num_causal
+        block = mode.block_size if training else num_tokens - causal  # the rows one coreset serves
         x = x.astype(self.dtype)
 
         router = table_param(self, config, "gate")
@@ -109,15 +145,20 @@ class SparseMoE(nn.Module):
         probabilities = jax.nn.softmax(router_logits, axis=-1)
         expert_ids, expert_weights = route_top_k(probabilities, top_k)
         if num_tokens > causal:
-            block_probabilities = probabilities[:, causal:]
+            by_block = lambda y: y.reshape((-1, block) + y.shape[2:])
+            block_probabilities = by_block(probabilities[:, causal:])
             if mode.coreset:
                 allowed = coreset_mask(block_probabilities, top_k, coreset_top_p)
                 block_ids, block_weights = route_within(block_probabilities, allowed, top_k)
-                expert_ids = expert_ids.at[:, causal:].set(block_ids)
-                expert_weights = expert_weights.at[:, causal:].set(block_weights)
-            if self.is_mutable_collection("intermediates"):
+                expert_ids = expert_ids.at[:, causal:].set(block_ids.reshape(batch, -1, top_k))
+                expert_weights = expert_weights.at[:, causal:].set(block_weights.reshape(batch, -1, top_k))
+            if self.is_mutable_collection("intermediates") and not training:
                 self.sow("intermediates", "distinct_experts",
                          distinct_experts(expert_ids[:, causal:], expert_weights[:, causal:], config.num_experts))
+        if training and self.is_mutable_collection("intermediates"):
+            real = jnp.concatenate([streams.segment > 0, jnp.repeat(streams.block_segment > 0, block, axis=1)], axis=1)
+            self.sow("intermediates", "router_stats",
+                     router_stats(router_logits, probabilities, expert_ids, expert_weights, real))
 
         gate_up_proj = table_param(self, config, "experts_gate_up_proj")
         down_proj = table_param(self, config, "experts_down_proj")

@@ -42,7 +42,7 @@ class Running(NamedTuple):
     weighted: jax.Array  # float32 [b, kv_heads, group, queries, head_dim]
 
 
-def _absorb(running: Running, query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array) -> Running:
+def absorb(running: Running, query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array) -> Running:
     """Fold one block of keys into the running softmax. query: [b, t, k, g, d] (pre-scaled)."""
     scores = jnp.einsum("btkgd,bskd->bkgts", query, key, preferred_element_type=jnp.float32)
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
@@ -70,7 +70,7 @@ def online_attention(query: jax.Array, segments: list[KeySegment], key_block: in
         length = segment.length
         if length <= key_block:
             key, value = segment.read(0, length)
-            running = _absorb(running, grouped, key, value, segment.allowed(jnp.arange(length)))
+            running = absorb(running, grouped, key, value, segment.allowed(jnp.arange(length)))
             continue
 
         def block_step(block, running):
@@ -79,7 +79,7 @@ def online_attention(query: jax.Array, segments: list[KeySegment], key_block: in
             first = jnp.minimum(block * key_block, length - key_block)
             index = first + jnp.arange(key_block)
             allowed = segment.allowed(index) & (index >= block * key_block)[None, None, :]
-            return _absorb(running, grouped, *segment.read(first, key_block), allowed)
+            return absorb(running, grouped, *segment.read(first, key_block), allowed)
 
         live_blocks = jnp.minimum(-(-jnp.asarray(segment.live_below) // key_block), -(-length // key_block))
         running = jax.lax.fori_loop(0, live_blocks, block_step, running)

@@ -1,0 +1,158 @@
+"""`FinetuneConfig`: every setting of a fine-tuning run, checked once when it is made.
+
+Defaults in brackets in docs/training.md; the loss switches follow the papers named there. A
+bad value raises `clover_jax.core.errors.FieldError` naming the field, before any data is read
+or anything compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
+from clover_jax.training.loss import LOSS_WEIGHTINGS
+
+METHODS = ("full",)
+PARAM_DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """A fine-tuning (or conversion) run. Every field is a keyword; see docs/training.md."""
+
+    # what is trained, and how long
+    method: str = "full"
+    steps: int = 1000
+    batch_size: int = 8                       # sequences (packed rows) per optimizer step
+    grad_accum_steps: int = 1                 # micro-batches per optimizer step (batch_size divides by it)
+    seq_len: int = 2048                       # clean tokens per row
+    block_size: int | tuple[int, ...] | None = None  # None: the checkpoint's generation config, else 32
+    block_size_weights: tuple[float, ...] | None = None  # with several block sizes: how often each is drawn
+    max_noisy_blocks: int | None = None       # None: every block with loss tokens; k: up to k per example
+    # the objective (docs/training.md, "The loss")
+    complementary: bool = True
+    loss_weighting: str | None = None         # None: "uniform" with the complement, "inverse_t" without
+    min_mask_ratio: float | None = None       # None: 0.02 with "inverse_t", 1e-3 otherwise
+    next_token_weight: float = 1.0
+    load_balance_weight: float = 1e-3
+    router_z_weight: float = 0.0
+    freeze_router: bool = False
+    # the optimizer: AdamW, linear warm-up then cosine decay to 10% of the peak, global-norm clipping
+    learning_rate: float = 2e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
+    remat: str = "none"                       # "full": each layer group recomputed in the backward pass
+    # adapters and scale (not built yet: their values other than the defaults are refused)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ("attention", "gdn", "shared_expert", "routed_experts")
+    quantize: str | None = None
+    mesh: Any = None
+    # data
+    truncate: bool = False
+    split_turns: bool = False
+    # output and bookkeeping
+    generation_config: dict[str, Any] | None = None  # overrides for the written generation_config.json
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 500
+    eval_every: int | None = None             # None: evaluate once, at the end (with eval_data)
+    log_every: int = 10
+
+    def __post_init__(self):
+        sizes = self.block_size
+        if isinstance(sizes, Sequence) and not isinstance(sizes, str):
+            object.__setattr__(self, "block_size", tuple(sizes))
+        if self.block_size_weights is not None:
+            object.__setattr__(self, "block_size_weights", tuple(float(w) for w in self.block_size_weights))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        _check(self)
+
+    # ------------------------------------------------------------------ resolved settings
+    def block_sizes(self, default: int) -> tuple[int, ...]:
+        """The block sizes trained on (the config's, else `default`)."""
+        if self.block_size is None:
+            return (default,)
+        return self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)
+
+    def block_weights(self, default: int) -> tuple[float, ...]:
+        sizes = self.block_sizes(default)
+        return self.block_size_weights or tuple(1.0 for _ in sizes)
+
+    @property
+    def weighting(self) -> str:
+        return self.loss_weighting or ("uniform" if self.complementary else "inverse_t")
+
+    @property
+    def mask_ratio_floor(self) -> float:
+        if self.min_mask_ratio is not None:
+            return self.min_mask_ratio
+        return 0.02 if self.weighting == "inverse_t" else 1e-3
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch_size // self.grad_accum_steps
+
+
+def _check(config: FinetuneConfig) -> None:
+    def need(condition: bool, field: str, message: str, code: str = "invalid_value") -> None:
+        if not condition:
+            raise FieldError(field, f"FinetuneConfig.{field}: {message}", code=code)
+
+    def integer(field: str, low: int, allow_none: bool = False) -> None:
+        value = getattr(config, field)
+        if value is None and allow_none:
+            return
+        need(isinstance(value, int) and not isinstance(value, bool), field, f"must be an int, got {value!r}",
+             INVALID_TYPE)
+        need(value >= low, field, f"must be >= {low}, got {value}")
+
+    need(config.method in METHODS, "method", f"must be one of {METHODS}, got {config.method!r} (LoRA arrives with "
+         "the adapters work; it is not built yet)", UNSUPPORTED)
+    for field, low in (("steps", 1), ("batch_size", 1), ("grad_accum_steps", 1), ("seq_len", 1),
+                       ("warmup_steps", 0), ("seed", 0), ("checkpoint_every", 1), ("log_every", 1)):
+        integer(field, low)
+    integer("max_noisy_blocks", 1, allow_none=True)
+    integer("eval_every", 1, allow_none=True)
+    need(config.batch_size % config.grad_accum_steps == 0, "grad_accum_steps",
+         f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps}")
+    sizes = config.block_size
+    if sizes is not None:
+        listed = sizes if isinstance(sizes, tuple) else (sizes,)
+        need(bool(listed) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in listed),
+             "block_size", f"must be a positive int or a sequence of them, got {sizes!r}")
+        need(len(set(listed)) == len(listed), "block_size", f"lists a size twice: {sizes!r}")
+        for size in listed:
+            need(config.seq_len % size == 0, "seq_len", f"{config.seq_len} must be a multiple of every block size "
+                 f"(block_size={size})")
+    if config.block_size_weights is not None:
+        count = len(sizes) if isinstance(sizes, tuple) else 1
+        need(len(config.block_size_weights) == count, "block_size_weights",
+             f"needs one weight per block size ({count}), got {len(config.block_size_weights)}")
+        need(all(w >= 0 for w in config.block_size_weights) and sum(config.block_size_weights) > 0,
+             "block_size_weights", "must be non-negative with a positive sum")
+    need(config.loss_weighting is None or config.loss_weighting in LOSS_WEIGHTINGS, "loss_weighting",
+         f"must be one of {LOSS_WEIGHTINGS}, got {config.loss_weighting!r}")
+    need(config.min_mask_ratio is None or 0.0 <= config.min_mask_ratio < 0.5, "min_mask_ratio",
+         f"must be in [0, 0.5), got {config.min_mask_ratio}")
+    for field in ("next_token_weight", "load_balance_weight", "router_z_weight", "weight_decay"):
+        need(isinstance(getattr(config, field), (int, float)) and getattr(config, field) >= 0, field,
+             f"must be a number >= 0, got {getattr(config, field)!r}")
+    need(isinstance(config.learning_rate, (int, float)) and config.learning_rate > 0, "learning_rate",
+         f"must be > 0, got {config.learning_rate!r}")
+    need(isinstance(config.grad_clip, (int, float)) and config.grad_clip > 0, "grad_clip",
+         f"must be > 0, got {config.grad_clip!r}")
+    need(config.param_dtype is None or config.param_dtype in PARAM_DTYPES, "param_dtype",
+         f"must be one of {PARAM_DTYPES} or None, got {config.param_dtype!r}")
+    need(config.remat in REMAT, "remat", f"must be one of {REMAT}, got {config.remat!r}")
+    need(config.quantize is None, "quantize", "a quantised frozen base is for LoRA runs (QLoRA), which are not "
+         "built yet", UNSUPPORTED)
+    need(config.mesh is None, "mesh", "the sharded train step is not built yet; train on one device",
+         UNSUPPORTED)
+    need(config.generation_config is None or isinstance(config.generation_config, dict), "generation_config",
+         f"must be a dict of generation_config.json fields, got {type(config.generation_config).__name__}",
+         INVALID_TYPE)

@@ -1,0 +1,51 @@
+"""Cross-entropy from hidden states, a chunk of rows at a time.
+
+Clover's vocabulary is 248,320 wide: float32 logits of 4,096 rows of two or three streams would
+take 8–12 GB. The loss never holds them: rows go through the LM head in chunks inside a
+`lax.scan`, each chunk's logits reduced at once to the target's log-probability and the argmax,
+and the chunk is rematerialised in the backward pass (`jax.checkpoint`), so at most one chunk's
+`[rows, vocab]` logits exist at a time, forward or backward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+class TokenLosses(NamedTuple):
+    """nll: float32 [rows], −log p(target) under the softmax without the excluded token;
+    correct: bool [rows], whether the argmax is the target."""
+
+    nll: jax.Array
+    correct: jax.Array
+
+
+def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, excluded_token: int | None,
+                          chunk_rows: int = DEFAULT_CHUNK_ROWS) -> TokenLosses:
+    """hidden: [rows, hidden_size]; head: [vocab, hidden_size]; targets: int [rows] -> `TokenLosses`.
+
+    The logits are `hidden @ headᵀ` in float32; `excluded_token` (the mask token: decoding never
+    chooses it, docs/design.md §4) gets logit −∞."""
+    rows = hidden.shape[0]
+    chunk_rows = min(chunk_rows, rows)
+    pad = (-rows) % chunk_rows
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk_rows, hidden.shape[-1])
+    targets = jnp.pad(targets, (0, pad)).reshape(-1, chunk_rows)
+
+    @jax.checkpoint
+    def chunk(args):
+        rows_hidden, rows_targets = args
+        logits = jnp.einsum("th,vh->tv", rows_hidden, head, preferred_element_type=jnp.float32)
+        if excluded_token is not None:
+            logits = logits.at[:, excluded_token].set(-jnp.inf)
+        target_logit = jnp.take_along_axis(logits, rows_targets[:, None], axis=-1)[:, 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+        return nll, jnp.argmax(logits, axis=-1) == rows_targets
+
+    nll, correct = jax.lax.map(chunk, (hidden, targets))
+    return TokenLosses(nll.reshape(-1)[:rows], correct.reshape(-1)[:rows])

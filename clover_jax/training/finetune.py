@@ -1,0 +1,230 @@
+"""`finetune`: fine-tune a Clover, or convert a Qwen3.5/3.6-MoE checkpoint into one (docs/training.md).
+
+Everything that can be wrong is checked before the first compile: the config (when it is made),
+the model and its tokenizer, the generation-config overrides, every data line (read, tokenised,
+checked against `seq_len` and packed, per block size). Then the loop: one jitted step per block
+size, a progress bar, a metrics record every `log_every` steps (to `on_metrics`, the log, and
+`metrics.jsonl`), evaluation on `eval_data`, Orbax checkpoints of the whole train state (the
+resumption point: `checkpointing`), and at the end the Hugging Face checkpoint in `out`, with
+`metrics.jsonl` and `loss.png` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from clover_jax.training import checkpointing, conversion
+from clover_jax.training.block_pass import training_module
+from clover_jax.training.config import FinetuneConfig
+from clover_jax.training.data import read_examples
+from clover_jax.training.dataset import BatchIterator
+from clover_jax.training.held_out import evaluate
+from clover_jax.training.loss import LossSettings
+from clover_jax.training.packing import PackedRows, fit_examples, pack
+from clover_jax.training.step import OptimizerSettings, StepProgram, init_state, normalisers, train_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FinetuneConfig", "FinetuneResult", "finetune"]
+
+
+class FinetuneResult(NamedTuple):
+    """out: the written checkpoint's directory; metrics: one dict per logged step (step, loss,
+    diffusion_loss, next_token_loss, masked_accuracy, tokens, seconds, ...; eval_* at evaluations)."""
+
+    out: str
+    metrics: list[dict]
+
+
+def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, *,
+             config: FinetuneConfig | None = None, eval_data: str | os.PathLike | Sequence | None = None,
+             on_metrics: Callable[[dict], None] | None = None, progress: bool = True) -> FinetuneResult:
+    """Train `model` on `data` (JSONL file(s)) and write the result to `out`.
+
+    model: a checkpoint directory or Hub id of a Clover or Qwen3.5/3.6-MoE model, or a `CloverModel`
+    (its `path` gives the tokenizer and generation config); config: `FinetuneConfig()` when None;
+    on_metrics: called with each metrics record as it is made."""
+    from clover_jax.api.clover_model import CloverModel
+    from clover_jax.api.tokenization import Tokenizer
+
+    config = config or FinetuneConfig()
+    if not isinstance(model, CloverModel):
+        model = CloverModel.from_pretrained(model, progress=progress)
+    if model.path is None:
+        raise ValueError("the model has no checkpoint directory (CloverModel.path): its tokenizer and generation "
+                         "config come from there")
+    tokenizer = Tokenizer.from_pretrained(model.path)
+    target = conversion.plan_target(model.config, tokenizer, model.path, config.generation_config)
+    default_block = int(target.generation_config.get("block_size", 32))
+    sizes, weights = config.block_sizes(default_block), config.block_weights(default_block)
+    pad_id = _pad_id(tokenizer, target)
+    end_of_turn = list(target.config.eos_token_id) or [pad_id]
+
+    examples = read_examples(data, tokenizer, end_of_turn=end_of_turn, split_turns=config.split_turns)
+    packings = {size: _packed(examples, config, size, pad_id) for size in sizes}
+    held_out = None
+    if eval_data is not None:
+        held = read_examples(eval_data, tokenizer, end_of_turn=end_of_turn, split_turns=config.split_turns)
+        held_out = _packed(held, config, sizes[0], pad_id)
+    for size, packed in packings.items():
+        logger.info("block size %d: %d examples in %d rows of %d tokens", size, len(examples), packed.num_rows,
+                    config.seq_len)
+
+    params = model.params
+    if target.grown_vocab:
+        params = conversion.grow_vocabulary(params, model.config, target.grown_vocab)
+    module = training_module(model.module.clone(config=target.config))
+    if config.remat == "full":
+        module = module.clone(remat=True)
+    compute_dtype = config.param_dtype or str(model.dtype)
+    optimizer = OptimizerSettings.of(config)
+    programs = {size: StepProgram(module, _loss_settings(config, target.config, size), optimizer,
+                                  config.mask_ratio_floor, compute_dtype, config.grad_accum_steps) for size in sizes}
+    batches = BatchIterator(packings, block_sizes=sizes, weights=weights, batch_size=config.batch_size,
+                            seed=config.seed, max_noisy_blocks=config.max_noisy_blocks)
+    state = init_state(optimizer, params)
+    history: list[dict] = []
+    saver = checkpointing.Saver(config.checkpoint_dir, config.checkpoint_every) if config.checkpoint_dir else None
+    if saver is not None:
+        state, position, history = saver.restore_latest(state, batches.position, history)
+        batches.position = position
+    key = jax.random.key(config.seed)
+    top_p = jnp.float32(target.config.moe_block_coreset_top_p)
+    first = int(state.step)
+    started = time.perf_counter()
+    tokens_seen = 0
+    try:
+        with tqdm(total=config.steps, initial=first, desc="training", unit="step", disable=not progress) as bar:
+            for step in range(first, config.steps):
+                batch = batches.next()
+                norm = normalisers(batch.rows, batch.block_size)
+                state, metrics = train_step(state, batch.rows, key, norm, top_p, program=programs[batch.block_size])
+                checkpointing.fault_point("step", step + 1)
+                tokens_seen += int(np.sum(batch.rows.segment > 0))
+                done = step + 1
+                if done % config.log_every == 0 or done == config.steps:
+                    record = _record(metrics, done, norm, batch.block_size, tokens_seen, time.perf_counter() - started)
+                    if held_out is not None and config.eval_every and done % config.eval_every == 0:
+                        record.update(_evaluate(state, programs[sizes[0]], held_out, config, top_p))
+                    history.append(record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['masked_accuracy']:.3f}")
+                    logger.debug("step %d: %s", done, record)
+                    if on_metrics is not None:
+                        on_metrics(record)
+                if saver is not None:
+                    saver.maybe_save(done, state, batches.position, history, final=done == config.steps)
+                bar.update(1)
+        if held_out is not None and not (config.eval_every and config.steps % config.eval_every == 0):
+            final = _evaluate(state, programs[sizes[0]], held_out, config, top_p)
+            if history and history[-1]["step"] == config.steps:
+                history[-1].update(final)
+            else:
+                history.append({"step": config.steps, **final})
+            if on_metrics is not None:
+                on_metrics(history[-1])
+    finally:
+        if saver is not None:
+            saver.close()
+    out = os.fspath(out)
+    _write(out, model, state.params, target, compute_dtype)
+    _write_metrics(out, history)
+    return FinetuneResult(out, history)
+
+
+# ---------------------------------------------------------------------- before the loop
+def _pad_id(tokenizer, target: conversion.Target) -> int:
+    """The pad token after an example's end: `pad_token_id` of the tokenizer, else the first EOS."""
+    pad = tokenizer.config.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    pad_id = tokenizer.token_to_id(pad) if isinstance(pad, str) else None
+    if pad_id is None:
+        if not target.config.eos_token_id:
+            raise ValueError("the tokenizer has no pad token and config.json no eos_token_id: nothing can fill the "
+                             "positions after an example's end")
+        pad_id = target.config.eos_token_id[0]
+    return int(pad_id)
+
+
+def _packed(examples, config: FinetuneConfig, block_size: int, pad_id: int) -> PackedRows:
+    fitted = fit_examples(examples, seq_len=config.seq_len, block_size=block_size, truncate=config.truncate)
+    if not fitted:
+        raise ValueError("no example holds a trained token (loss tokens): nothing to train on")
+    return pack(fitted, seq_len=config.seq_len, block_size=block_size, pad_id=pad_id, seed=config.seed)
+
+
+def _loss_settings(config: FinetuneConfig, model_config, block_size: int) -> LossSettings:
+    return LossSettings(block_size=block_size, mask_token_id=model_config.mask_token_id,
+                        coreset=model_config.moe_block_coreset_enabled, complementary=config.complementary,
+                        loss_weighting=config.weighting, next_token_weight=float(config.next_token_weight),
+                        load_balance_weight=float(config.load_balance_weight),
+                        router_z_weight=float(config.router_z_weight))
+
+
+# ---------------------------------------------------------------------- in the loop
+def _record(metrics: dict, step: int, norm, block_size: int, tokens_seen: int, seconds: float) -> dict:
+    values = jax.device_get(metrics)
+    record: dict[str, Any] = {"step": step}
+    for name, value in values.items():
+        value = np.asarray(value)
+        record[name] = float(value) if value.ndim == 0 else [round(float(v), 6) for v in value]
+    record.update(block_size=block_size, loss_tokens=int(norm.loss_tokens), next_token_targets=int(norm.next_tokens),
+                  tokens=tokens_seen, seconds=round(seconds, 3))
+    return record
+
+
+def _evaluate(state, program: StepProgram, held_out: PackedRows, config: FinetuneConfig, top_p) -> dict:
+    compute = jax.tree_util.tree_map(lambda leaf: leaf.astype(program.compute_dtype), state.params)
+    return evaluate(compute, program.module, held_out, settings=program.settings, batch_size=config.micro_batch,
+                    coreset_top_p=float(top_p))
+
+
+# ---------------------------------------------------------------------- after the loop
+def _write(out: str, model, master: dict, target: conversion.Target, dtype: str) -> None:
+    """The Hugging Face checkpoint: weights in `dtype`, config.json, generation_config.json, tokenizer files."""
+    from weights.writer import save_params
+
+    os.makedirs(out, exist_ok=True)
+    params = jax.tree_util.tree_map(lambda leaf: np.asarray(jax.device_get(leaf)), master)
+    pad = {"pad_token_id": target.generation_config.get("pad_token_id")} if "pad_token_id" in \
+        target.generation_config else {}
+    save_params(params, target.config, out, dtype=dtype, extra_config=pad)
+    conversion.write_tokenizer(model.path, out, target)
+    conversion.write_generation_config(out, target)
+    logger.info("wrote the trained checkpoint to %s", out)
+
+
+def _write_metrics(out: str, history: list[dict]) -> None:
+    with open(os.path.join(out, "metrics.jsonl"), "w") as handle:
+        for record in history:
+            handle.write(json.dumps(record) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no loss.png (pip install 'clover-jax[train]')")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [record["step"] for record in history if "loss" in record]
+    for name in ("loss", "diffusion_loss", "next_token_loss"):
+        axis.plot(steps, [record[name] for record in history if "loss" in record], label=name)
+    evaluated = [record for record in history if "eval_diffusion_loss" in record]
+    if evaluated:
+        axis.plot([r["step"] for r in evaluated], [r["eval_diffusion_loss"] for r in evaluated], "o--",
+                  label="eval_diffusion_loss")
+    axis.set_xlabel("step")
+    axis.set_yscale("log")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(out, "loss.png"), dpi=100)
+    plt.close(figure)

@@ -1,0 +1,153 @@
+"""The block-diffusion fine-tuning loss on the one training pass (docs/training.md has the formulas).
+
+    loss = Σ_{masked j} w_j · CE_j / n_loss                      (block diffusion, noisy stream)
+         + λ · Σ_{next-token targets p} CE_p / n_next             (next token, clean stream)
+         + α · mean over layers of E · Σ_e f_e · P_e                 (load balance)
+         + β · mean over rows of logsumexp(router logits)²          (router z-loss)
+
+`w_j` is 1 ("uniform") or 1/t of the copy that masked j ("inverse_t"); `n_loss` counts the loss
+tokens of the global batch once per pair of copies, `n_next` its next-token targets — both
+passed in, so that micro-batches of one optimizer step add up to the loss of the whole batch.
+Cross-entropies come from hidden states a chunk at a time (`cross_entropy`), with the mask
+token's logit at −∞ as in decoding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.core.streams import make_streams
+from clover_jax.nn.model import CloverTransformer, Params
+from clover_jax.nn.moe import RouterStats
+from clover_jax.training.block_pass import stream_pass
+from clover_jax.training.cross_entropy import DEFAULT_CHUNK_ROWS, chunked_cross_entropy
+from clover_jax.training.masking import Noise
+
+LOSS_WEIGHTINGS = ("uniform", "inverse_t")
+
+
+class TrainRows(NamedTuple):
+    """One batch of packed rows (`clover_jax.training.packing`). b = rows, L = clean tokens per row,
+    N0 = noisy blocks of the first copy per row.
+
+    clean_ids: int32 [b, L], the clean stream (the real transcript);
+    segment: int32 [b, L], each token's example (0: padding after the last example);
+    targets: int32 [b, L], what each position of a noisy block should become: the clean token, or
+        the pad token after an assistant turn's end inside its block and after an example's last token;
+    maskable: bool [b, L], the diffusion loss tokens (the noise may mask them);
+    next_token: bool [b, L], the next-token targets (token p, predicted by row p − 1 of its example);
+    block_index: int32 [b, N0], the clean blocks the noisy stream denoises (an index past the row's
+        blocks is an unused slot)."""
+
+    clean_ids: jax.Array
+    segment: jax.Array
+    targets: jax.Array
+    maskable: jax.Array
+    next_token: jax.Array
+    block_index: jax.Array
+
+
+class LossSettings(NamedTuple):
+    """The static part of the loss (each combination compiles once). mask_token_id None: a model
+    without one (next-token training of a base model, whose rows then hold no noisy blocks)."""
+
+    block_size: int
+    mask_token_id: int | None
+    coreset: bool
+    complementary: bool = True
+    loss_weighting: str = "uniform"
+    next_token_weight: float = 1.0
+    load_balance_weight: float = 1e-3
+    router_z_weight: float = 0.0
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+
+
+class Normalisers(NamedTuple):
+    """float32 []: the loss tokens (once per pair of copies) and next-token targets of the global batch."""
+
+    loss_tokens: jax.Array
+    next_tokens: jax.Array
+
+
+class LossParts(NamedTuple):
+    """The loss and its parts, float32 []. Sums over this micro-batch divided by the global
+    normalisers (so parts of micro-batches add up), except `masked_accuracy` and the per-layer
+    `expert_load` (float32 [layers, experts], the fraction of each layer's dispatched pairs that
+    went to each expert)."""
+
+    loss: jax.Array
+    diffusion_loss: jax.Array
+    next_token_loss: jax.Array
+    load_balance_loss: jax.Array
+    router_z_loss: jax.Array
+    masked_tokens: jax.Array
+    masked_correct: jax.Array
+    expert_load: jax.Array
+
+
+def block_rows(rows: TrainRows, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The first copy's noisy blocks: (targets int32 [b, N0, B], maskable bool [b, N0, B]); an
+    unused slot has nothing maskable."""
+    batch, length = rows.clean_ids.shape
+    in_row = rows.block_index < length // block_size
+    positions = jnp.where(in_row, rows.block_index, 0)[:, :, None] * block_size + jnp.arange(block_size)
+    gather = lambda array: jnp.take_along_axis(array, positions.reshape(batch, -1), axis=1).reshape(positions.shape)
+    return gather(rows.targets), gather(rows.maskable) & in_row[:, :, None]
+
+
+def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise: Noise, normalisers: Normalisers,
+               *, settings: LossSettings, coreset_top_p: jax.Array) -> LossParts:
+    """The loss of one micro-batch with the given noise (`masking.draw_noise` over `block_rows`'s
+    maskable positions). module: a differentiable training module (`block_pass.training_module`)."""
+    if settings.loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {settings.loss_weighting!r}")
+    block_size = settings.block_size
+    batch, length = rows.clean_ids.shape
+    copies = 2 if settings.complementary else 1
+    targets, _ = block_rows(rows, block_size)
+    targets = jnp.tile(targets, (1, copies, 1))                                      # [b, N, B]
+    if settings.mask_token_id is None and rows.block_index.shape[1]:
+        raise ValueError("a model without a mask token trains next-token only: its rows hold no noisy blocks")
+    noisy_blocks = targets if settings.mask_token_id is None else jnp.where(noise.masked, settings.mask_token_id,
+                                                                            targets).astype(jnp.int32)
+    streams = make_streams(rows.segment, jnp.tile(rows.block_index, (1, copies)), block_size)
+    out = stream_pass(module, params, rows.clean_ids, noisy_blocks, streams, block_size=block_size,
+                      coreset=settings.coreset, coreset_top_p=coreset_top_p, router_stats=True)
+    hidden_size = out.hidden.shape[-1]
+    cross_entropy = lambda hidden, labels: chunked_cross_entropy(
+        hidden.reshape(-1, hidden_size), out.head, labels.reshape(-1), excluded_token=settings.mask_token_id,
+        chunk_rows=settings.chunk_rows)
+
+    # Block diffusion: every masked position of every noisy block.
+    noisy = cross_entropy(out.hidden[:, length:], targets)
+    masked = noise.masked.reshape(-1)
+    weight = jnp.ones_like(noise.ratio) if settings.loss_weighting == "uniform" else 1.0 / noise.ratio
+    weight = (jnp.repeat(weight, block_size, axis=1).reshape(-1) * masked).astype(jnp.float32)
+    diffusion = jnp.sum(noisy.nll * weight) / normalisers.loss_tokens
+
+    # Next token: row p of the clean stream predicts token p + 1 of the same example.
+    predicts = rows.next_token[:, 1:] & (rows.segment[:, 1:] == rows.segment[:, :-1])
+    clean = cross_entropy(out.hidden[:, :length - 1], rows.clean_ids[:, 1:])
+    next_token = jnp.sum(clean.nll * predicts.reshape(-1)) / normalisers.next_tokens
+
+    balance, z_loss, load = router_losses(out.router_stats, module.config.num_experts)
+    loss = (diffusion + settings.next_token_weight * next_token + settings.load_balance_weight * balance
+            + settings.router_z_weight * z_loss)
+    return LossParts(loss, diffusion, next_token, balance, z_loss, jnp.sum(masked.astype(jnp.float32)),
+                     jnp.sum((noisy.correct & masked).astype(jnp.float32)), load)
+
+
+def router_losses(stats: RouterStats, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(load-balance loss, z-loss, expert load [layers, experts]) from each layer's statistics.
+
+    Load balance (Switch Transformer; transformers' `load_balancing_loss_func` for Qwen MoE):
+    E · Σ_e f_e · P_e per layer, f_e the fraction of the layer's dispatched pairs that went to e,
+    P_e its mean router probability, averaged over the layers; only P carries a gradient."""
+    rows = jnp.maximum(stats.rows, 1.0)                                               # [layers]
+    load = stats.dispatched / jnp.maximum(jnp.sum(stats.dispatched, axis=-1, keepdims=True), 1.0)
+    probability = stats.probability / rows[:, None]
+    balance = jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(load) * probability, axis=-1))
+    return balance, jnp.mean(stats.z / rows), load

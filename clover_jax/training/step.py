@@ -1,0 +1,150 @@
+"""The optimizer and the jitted train step.
+
+The train state holds float32 master parameters; each step casts them to the compute dtype
+(`param_dtype`, e.g. bfloat16) for the forward pass, so gradients and AdamW's moments are
+float32 and bfloat16 parameters still take small updates. An optimizer step runs its
+micro-batches under one `lax.scan`, adding their gradients; the loss's normalisers count the
+whole batch, so the sum is the gradient of the batch's loss. The noise of micro-batch i of step
+s is drawn from `fold_in(fold_in(key(seed), s), i)`: a resumed run draws the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from clover_jax.nn.model import CloverTransformer, Params
+from clover_jax.training.config import FinetuneConfig
+from clover_jax.training.loss import LossParts, LossSettings, Normalisers, TrainRows, block_rows, loss_parts
+from clover_jax.training.masking import draw_noise
+
+
+class TrainState(NamedTuple):
+    """step: int32 []; params: float32 master parameters (canonical layout); opt_state: optax's."""
+
+    step: jax.Array
+    params: Params
+    opt_state: Any
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", key)) for key in path)
+
+
+def is_router(path) -> bool:
+    return _path_names(path)[-1:] == ("gate",) and "mlp" in _path_names(path)
+
+
+class OptimizerSettings(NamedTuple):
+    """The optimizer's part of a `FinetuneConfig` (hashable: it is part of the compiled step)."""
+
+    learning_rate: float
+    warmup_steps: int
+    steps: int
+    weight_decay: float
+    grad_clip: float
+    freeze_router: bool
+
+    @classmethod
+    def of(cls, config: FinetuneConfig) -> "OptimizerSettings":
+        return cls(float(config.learning_rate), config.warmup_steps, config.steps, float(config.weight_decay),
+                   float(config.grad_clip), config.freeze_router)
+
+
+def make_optimizer(settings: OptimizerSettings) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (linear warm-up, cosine decay to 10% of the peak). Weight
+    decay skips vectors (norm scales, GDN decay parameters, the block-mode scalars); a frozen
+    router takes no update at all."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, settings.learning_rate, settings.warmup_steps, max(settings.steps, settings.warmup_steps + 1),
+        end_value=settings.learning_rate * 0.1)
+    decays = lambda params: jax.tree_util.tree_map(lambda leaf: leaf.ndim > 1, params)
+    optimizer = optax.chain(optax.clip_by_global_norm(settings.grad_clip),
+                            optax.adamw(schedule, weight_decay=settings.weight_decay, mask=decays))
+    if not settings.freeze_router:
+        return optimizer
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if is_router(path) else "trained", params)
+    return optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def normalisers(rows: TrainRows, block_size: int) -> Normalisers:
+    """The global batch's loss tokens (in its noisy blocks) and next-token targets, on the host."""
+    _, maskable = block_rows(rows, block_size)
+    predicts = rows.next_token[:, 1:] & (rows.segment[:, 1:] == rows.segment[:, :-1])
+    return Normalisers(np.float32(max(int(np.sum(maskable)), 1)), np.float32(max(int(np.sum(predicts)), 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """What a compiled train step depends on (hashable, a static argument): the module
+    (differentiable, `block_pass.training_module`), the loss and optimizer settings, the floor of
+    the masking ratio, the compute dtype, the micro-batches per step."""
+
+    module: CloverTransformer
+    settings: LossSettings
+    optimizer: OptimizerSettings
+    min_mask_ratio: float
+    compute_dtype: str
+    micro_batches: int
+
+
+@functools.partial(jax.jit, static_argnames="program", donate_argnames="state")
+def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalisers, coreset_top_p: jax.Array,
+               *, program: StepProgram) -> tuple[TrainState, dict]:
+    """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`."""
+    split = lambda array: array.reshape((program.micro_batches, -1) + array.shape[1:])
+    micro_rows = jax.tree_util.tree_map(split, rows)
+    step_key = jax.random.fold_in(key, state.step)
+    settings = program.settings
+
+    def micro(carry, inputs):
+        grads, parts = carry
+        index, batch = inputs
+        _, maskable = block_rows(batch, settings.block_size)
+        noise = draw_noise(jax.random.fold_in(step_key, index), maskable, min_ratio=program.min_mask_ratio,
+                           complementary=settings.complementary)
+
+        def loss(master):
+            compute = jax.tree_util.tree_map(lambda leaf: leaf.astype(program.compute_dtype), master)
+            out = loss_parts(compute, program.module, batch, noise, norm, settings=settings,
+                             coreset_top_p=coreset_top_p)
+            return out.loss, out
+
+        (_, out), micro_grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return (jax.tree_util.tree_map(jnp.add, grads, micro_grads),
+                jax.tree_util.tree_map(jnp.add, parts, out)), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    (grads, parts), _ = jax.lax.scan(micro, (zeros, empty_parts(program.module)),
+                                     (jnp.arange(program.micro_batches), micro_rows))
+    updates, opt_state = make_optimizer(program.optimizer).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    load = parts.expert_load / program.micro_batches
+    metrics = {"loss": parts.loss, "diffusion_loss": parts.diffusion_loss, "next_token_loss": parts.next_token_loss,
+               "load_balance_loss": parts.load_balance_loss / program.micro_batches,
+               "router_z_loss": parts.router_z_loss / program.micro_batches,
+               "masked_accuracy": parts.masked_correct / jnp.maximum(parts.masked_tokens, 1.0),
+               "grad_norm": optax.global_norm(grads),
+               "expert_load_max": jnp.max(load, axis=-1), "expert_load_min": jnp.min(load, axis=-1),
+               "expert_load_cv": jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def empty_parts(module: CloverTransformer) -> LossParts:
+    """`LossParts` of zeros: scalars, and [layers, experts] for the expert load."""
+    config = module.config
+    scalar = jnp.zeros((), jnp.float32)
+    return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32))
+
+
+def init_state(optimizer: OptimizerSettings, params: Params) -> TrainState:
+    """A fresh state: float32 master copies of `params`, step 0."""
+    master = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf, jnp.float32), params)
+    return TrainState(jnp.int32(0), master, make_optimizer(optimizer).init(master))

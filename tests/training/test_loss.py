@@ -1,0 +1,150 @@
+"""The loss of the one pass equals per-block losses built on the decoding passes: value and gradient."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax.core.state import empty_state
+from clover_jax.nn.model import TransformerPasses
+from clover_jax.training.block_pass import differentiable, training_module
+from clover_jax.training.cross_entropy import chunked_cross_entropy
+from clover_jax.training.loss import LossSettings, Normalisers, TrainRows, block_rows, loss_parts
+from clover_jax.training.masking import draw_noise
+from tests.conftest import MASK_ID
+
+B, L, PAD = 4, 24, 0
+
+
+@pytest.fixture(scope="module")
+def model(small_clover_checkpoint):
+    from clover_jax import CloverModel
+
+    return CloverModel.from_pretrained(small_clover_checkpoint, progress=False)
+
+
+def packed_rows() -> TrainRows:
+    """Row 0: examples of 10 and 6 tokens (tails padded to their blocks) and a padding block; row 1:
+    one example of 24 tokens. Prompts untrained; a noisy slot past the row is unused."""
+    rng = np.random.RandomState(1)
+    clean = rng.randint(0, MASK_ID, (2, L)).astype(np.int32)
+    segment = np.zeros((2, L), np.int32)
+    segment[0, :12], segment[0, 12:20], segment[1] = 1, 2, 1
+    clean[0, 10:12] = clean[0, 18:20] = PAD
+    targets = clean.copy()
+    maskable = segment > 0
+    maskable[0, :3] = maskable[0, 12:14] = maskable[1, :5] = False
+    next_token = maskable.copy()
+    next_token[0, 10:12] = next_token[0, 18:20] = False
+    blocks = np.array([[1, 2, 3, 4, 99, 99], [1, 2, 3, 4, 5, 99]], np.int32)  # the blocks with loss tokens
+    return TrainRows(*map(jnp.asarray, (clean, segment, targets, maskable, next_token, blocks)))
+
+
+def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight, count):
+    """Σ over noisy blocks of the block's weighted masked cross-entropy on the decoding pass (its
+    example's clean prefix, then the noisy block), over the same normaliser, plus the next-token
+    cross-entropy of each example's causal pass. All blocks in one batch: prefixes left-padded."""
+    clean, segment = np.asarray(rows.clean_ids), np.asarray(rows.segment)
+    masked, ratio = np.asarray(noise.masked), np.asarray(noise.ratio)
+    indices = np.tile(np.asarray(rows.block_index), (1, 2))
+    prefixes, blocks, weights, targets, starts = [], [], [], [], []
+    for row, slots in enumerate(indices):
+        for slot, index in enumerate(slots):
+            if index >= L // B:
+                continue
+            first = int(np.argmax(segment[row] == segment[row, index * B]))
+            prefix = clean[row, first:index * B]
+            prefixes.append(np.pad(prefix, (L - len(prefix), 0)))
+            starts.append(L - len(prefix))
+            target = np.asarray(rows.targets)[row, index * B:(index + 1) * B]
+            blocks.append(np.where(masked[row, slot], MASK_ID, target))
+            targets.append(target)
+            weights.append(masked[row, slot] / ratio[row, slot])
+    state = empty_state(passes.config, len(blocks), L + B, jnp.float32, np.asarray(starts))
+    logits = passes.commit_and_denoise(params, jnp.asarray(np.stack(prefixes)), jnp.asarray(np.stack(blocks)), state,
+                                       coreset=True, coreset_top_p=jnp.float32(0.9)).logits
+    nll = cross_entropy(logits, np.stack(targets))
+    diffusion = jnp.sum(nll * np.stack(weights)) / count.loss_tokens
+    # next token: each example alone, left-padded
+    examples = [(row, np.flatnonzero(segment[row] == number)) for row in range(2)
+                for number in np.unique(segment[row][segment[row] > 0])]
+    ids = np.stack([np.pad(clean[row, where], (L - len(where), 0)) for row, where in examples])
+    trained = np.stack([np.pad(np.asarray(rows.next_token)[row, where], (L - len(where), 0)) for row, where in examples])
+    state = empty_state(passes.config, len(examples), L, jnp.float32, np.asarray([L - len(w) for _, w in examples]))
+    causal = passes.causal(params, jnp.asarray(ids), state).logits
+    next_nll = cross_entropy(causal[:, :-1], ids[:, 1:])
+    next_token = jnp.sum(next_nll * trained[:, 1:]) / count.next_tokens
+    return diffusion + next_token_weight * next_token, (diffusion, next_token)
+
+
+def cross_entropy(logits, targets):
+    logits = logits.at[..., MASK_ID].set(-jnp.inf)
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, jnp.asarray(targets)[..., None], -1)[..., 0]
+
+
+def test_loss_and_gradient_equal_per_block_losses_on_the_decoding_passes(model):
+    rows = packed_rows()
+    _, maskable = block_rows(rows, B)
+    noise = draw_noise(jax.random.key(3), maskable, min_ratio=0.02, complementary=True)
+    segment, next_token = np.asarray(rows.segment), np.asarray(rows.next_token)
+    count = Normalisers(jnp.float32(np.sum(np.asarray(maskable))),
+                        jnp.float32(np.sum(next_token[:, 1:] & (segment[:, 1:] == segment[:, :-1]))))
+    settings = LossSettings(block_size=B, mask_token_id=MASK_ID, coreset=True, complementary=True,
+                            loss_weighting="inverse_t", next_token_weight=0.7, load_balance_weight=0.0)
+    module = training_module(model.module)
+
+    @jax.jit
+    def ours(params):
+        parts = loss_parts(params, module, rows, noise, count, settings=settings, coreset_top_p=jnp.float32(0.9))
+        return parts.loss, (parts.diffusion_loss, parts.next_token_loss)
+
+    passes = TransformerPasses(differentiable(model.module).clone(layer_loop="scan"))
+    reference = jax.jit(functools.partial(reference_loss, passes=passes, rows=rows, noise=noise, next_token_weight=0.7,
+                                          count=count))
+    (value, parts), grads = jax.value_and_grad(ours, has_aux=True)(model.params)
+    (expected, expected_parts), expected_grads = jax.value_and_grad(reference, has_aux=True)(model.params)
+    np.testing.assert_allclose(float(value), float(expected), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(parts), np.asarray(expected_parts), rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(expected_grads))
+    differences = jax.tree.leaves(jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads,
+                                                         expected_grads))
+    assert max(differences) / scale < 1e-4
+
+
+def test_the_complement_masks_exactly_what_the_first_copy_left_and_each_block_at_least_once():
+    maskable = jnp.asarray(np.random.RandomState(0).rand(64, 3, 8) < 0.7)
+    noise = draw_noise(jax.random.key(0), maskable, min_ratio=1e-3, complementary=True)
+    first, second = np.split(np.asarray(noise.masked), 2, axis=1)
+    np.testing.assert_array_equal(first | second, np.asarray(maskable))
+    assert not np.any(first & second)
+    has = np.asarray(maskable).any(-1)
+    assert np.all(first.any(-1)[has])
+    np.testing.assert_allclose(np.asarray(noise.ratio)[:, 3:], 1 - np.asarray(noise.ratio)[:, :3], rtol=1e-6)
+
+
+def test_chunked_cross_entropy_has_the_value_and_gradient_of_the_whole_logits():
+    rng = np.random.RandomState(0)
+    hidden = jnp.asarray(rng.randn(37, 16), jnp.float32)
+    head = jnp.asarray(rng.randn(50, 16), jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 49, 37))
+
+    def whole(hidden, head):
+        return jnp.sum(cross_entropy_with(hidden @ head.T, targets, excluded=49))
+
+    def chunked(hidden, head):
+        return jnp.sum(chunked_cross_entropy(hidden, head, targets, excluded_token=49, chunk_rows=8).nll)
+
+    value, grads = jax.value_and_grad(chunked, argnums=(0, 1))(hidden, head)
+    expected, expected_grads = jax.value_and_grad(whole, argnums=(0, 1))(hidden, head)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def cross_entropy_with(logits, targets, excluded):
+    logits = logits.at[..., excluded].set(-jnp.inf)
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
