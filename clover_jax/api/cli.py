@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from clover_jax.api import train_command
+
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "bundled" / "tiny-clover"  # clover_jax.bundled_model_path()
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
 FALLBACK_MAX_NEW_TOKENS = 256  # when neither the flags nor generation_config.json set max_new_tokens
@@ -298,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=run_plan)
+    train_command.add_parser(commands)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`clover-jax train`: `clover_jax.training.finetune` from the command line.
+"""`clover-jax train`: `clover_jax.training.trainer` from the command line.
 
 Every `FinetuneConfig` field is a flag of the same name in kebab case (`--learning-rate 1e-4`,
 `--block-size 4,8,16,32`, `--no-complementary`); `--generation-config FILE` reads the overrides of
@@ -35,6 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="JSON file of generation_config.json overrides for the written model")
     parser.add_argument("--mesh", default=None, metavar="DATA,EXPERT,TENSOR", help="a device mesh (not built yet)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
     hints = typing.get_type_hints(FinetuneConfig)
     for field in dataclasses.fields(FinetuneConfig):
         if field.name in SPECIAL:

@@ -6,7 +6,8 @@ model is created and before `generate` compiles anything, and does nothing after
 
 * `CLOVER_JAX_CACHE_DIR` sets the directory (default: `$XDG_CACHE_HOME/clover-jax`, i.e.
   `~/.cache/clover-jax`; XLA's cache in `xla/`, `clover_jax.core.executable_cache`'s programs in
-  `executables/`); set it to an empty string to turn both off.
+  `executables/`, the trainer's tokenised data in `training-data/`); set it to an empty string to
+  turn them off.
 * A cache the user configured for JAX (`jax_compilation_cache_dir` / `JAX_COMPILATION_CACHE_DIR`)
   is left as it is, with its own thresholds.
 * Otherwise every program is cached, however quickly it compiled: JAX's default threshold (one
@@ -45,6 +46,14 @@ def _subdirectory(name: str, unwritable: str) -> str | None:
         logger.warning(unwritable, directory, error)
         return None
     return directory
+
+
+def data_directory() -> str | None:
+    """Where `clover_jax.training` keeps tokenised training data (None: off)."""
+    if "training-data" not in _state:
+        _state["training-data"] = _subdirectory("training-data", "tokenised training data is not kept: cannot "
+                                                                 "create %s (%s)")
+    return _state["training-data"]
 
 
 def executable_directory() -> str | None:

@@ -85,8 +85,9 @@ class KernelChoice:
     not 64); the Pallas kernel keeps its own 64.
 
     expert_strategy: how the XLA routed experts run (`routed_expert_mlp`): "auto" (the expert loop,
-    fastest), "loop", or "dense" (every expert on every token). Training asks for "dense": reverse-mode
-    differentiation has no rule for the loop's data-dependent trip counts.
+    fastest), "loop", or "dense" (every expert on every token). Training asks for "loop": over float
+    stacks the loop has a written-out backward pass (reverse-mode differentiation has no rule for
+    its data-dependent trip counts), computing only the routed pairs, as the forward does.
     """
 
     attention: str = "online_softmax"  # "online_softmax" | "dot_product_attention"

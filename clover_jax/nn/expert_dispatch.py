@@ -33,6 +33,7 @@ medium model's experts, 8 layers x 8 experts of 3 MB, one row: 6.4 ms against 10
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +99,13 @@ def routed_expert_mlp(
     gate_up_proj: [experts, 2 * intermediate, hidden] (gate rows first); down_proj: [experts, hidden, intermediate]
     (the checkpoint's `[out, in]` layout, so loading is a contiguous copy); either may be a `QuantizedWeight`,
     or a tuple of one expert's weights each (`per_expert`)
-    strategy: "loop" (the expert-major loops), "dense" (every expert for every token, weighted by
-    the routing; differentiable, so training runs it) or "auto" ("loop": measured faster than "dense"
-    at every row count, even on the bundled model's 8 experts of 18K parameters; see below)
+    strategy: "loop" (the expert-major loops; over float stacks differentiable through a written-out
+    backward of the same shape, which training runs), "dense" (every expert for every token,
+    weighted by the routing) or "auto" ("loop": measured faster than "dense" at every row count, even
+    on the bundled model's 8 experts of 18K parameters; see below)
     returns [tokens, hidden] in the dtype of `tokens`
     """
-    num_tokens, top_k = expert_ids.shape
-    num_experts = expert_count(gate_up_proj)
-    num_pairs = num_tokens * top_k
-    hidden = tokens.shape[-1]
+    num_tokens = expert_ids.shape[0]
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "auto":
@@ -119,50 +118,163 @@ def routed_expert_mlp(
         return _every_expert_mlp(tokens, expert_ids, expert_weights, stacked(gate_up_proj), stacked(down_proj))
     if num_tokens == 1:
         return _single_token_mlp(tokens, expert_ids[0], expert_weights[0], gate_up_proj, down_proj)
-    # An expert holds at most one pair per token, so no expert needs a tile taller than the tokens.
-    tile_rows = min(tile_rows_for(num_pairs, num_experts), num_tokens)
+    if per_expert(gate_up_proj) or isinstance(gate_up_proj, QuantizedWeight) or isinstance(down_proj, QuantizedWeight):
+        return _expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+    # Float stacks (what training holds): the same loop, with a backward pass of the same shape.
+    return _differentiable_expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
 
+
+class _Pairs(NamedTuple):
+    """The (token, choice) pairs sorted by expert: order int [pairs] (into the flattened
+    [tokens * top_k] choices), sorted_tokens int [pairs], kept float [pairs] (the routing weight,
+    0 for a pair whose expert is not held here), group_sizes / group_starts int [experts], the
+    used experts in ascending order (padded) and their count, and the tile height."""
+
+    order: jax.Array
+    sorted_tokens: jax.Array
+    kept: jax.Array
+    group_sizes: jax.Array
+    group_starts: jax.Array
+    used: jax.Array
+    num_used: jax.Array
+    tile_rows: int
+
+
+def _pairs(expert_ids: jax.Array, expert_weights: jax.Array, num_experts: int, dtype) -> _Pairs:
+    num_tokens, top_k = expert_ids.shape
+    num_pairs = num_tokens * top_k
     flat_experts = expert_ids.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)  # ids >= num_experts (dropped pairs) sort last
-    sorted_tokens = order // top_k
-    pair_weights = expert_weights.reshape(-1)[order].astype(tokens.dtype)
+    pair_weights = expert_weights.reshape(-1)[order].astype(dtype)
     group_sizes = jnp.zeros(num_experts, jnp.int32).at[flat_experts].add(1, mode="drop")
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
-    num_used = jnp.sum(group_sizes > 0)
     # The used experts in ascending order, padded with an unused index that is never visited.
     used = jnp.nonzero(group_sizes, size=min(num_experts, num_pairs), fill_value=0)[0]
+    return _Pairs(order, order // top_k, jnp.where(flat_experts[order] < num_experts, pair_weights, 0), group_sizes,
+                  jnp.cumsum(group_sizes) - group_sizes, used, jnp.sum(group_sizes > 0),
+                  # An expert holds at most one pair per token: no expert needs a tile taller than the tokens.
+                  min(tile_rows_for(num_pairs, num_experts), num_tokens))
 
-    # Rows in expert order, with one tile of padding so that a tile may run past the last pair.
-    sorted_rows = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype).at[:num_pairs].set(tokens[sorted_tokens])
-    pair_outputs = jnp.zeros((num_pairs + tile_rows, hidden), tokens.dtype)
 
-    def expert_tiles(gate_up, down, pair_outputs, first, count):
-        """One expert's pairs (rows first .. first + count of `sorted_rows`), tile by tile."""
+def _visit_tiles(pairs: _Pairs, carry, *, enter, tile, leave=None):
+    """The expert-major loops: for every used expert in ascending order, `local = enter(expert)`,
+    then for each of its tiles `carry, local = tile(carry, local, offset, valid)` (offset: the
+    tile's first row in pair order; valid bool [tile_rows]: its rows that are the expert's, the
+    others belonging to the next expert, visited later), then `carry = leave(carry, local, expert)`.
+    Loop trip counts are data: unused experts cost nothing."""
+    tile_rows = pairs.tile_rows
 
-        def tile_step(tile_carry):
-            tile, pair_outputs = tile_carry
-            offset = first + tile * tile_rows
-            rows = jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows)
-            out = expert_output(gate_up, down, rows)
-            # Rows past this expert's pairs belong to the next expert, which is visited later
-            # and overwrites them (experts are visited in the order of their rows).
-            return tile + 1, jax.lax.dynamic_update_slice_in_dim(pair_outputs, out, offset, axis=0)
+    def expert_step(outer):
+        slot, carry = outer
+        expert = pairs.used[slot]
+        first, count = pairs.group_starts[expert], pairs.group_sizes[expert]
+
+        def tile_step(inner):
+            index, carry, local = inner
+            valid = index * tile_rows + jnp.arange(tile_rows) < count
+            return (index + 1,) + tile(carry, local, first + index * tile_rows, valid)
 
         num_tiles = (count + tile_rows - 1) // tile_rows
-        return jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), pair_outputs))[1]
+        _, carry, local = jax.lax.while_loop(lambda c: c[0] < num_tiles, tile_step, (jnp.int32(0), carry,
+                                                                                    enter(expert)))
+        return slot + 1, carry if leave is None else leave(carry, local, expert)
 
-    def expert_step(carry):
-        slot, pair_outputs = carry
-        expert = used[slot]
+    return jax.lax.while_loop(lambda c: c[0] < pairs.num_used, expert_step, (jnp.int32(0), carry))[1]
+
+
+def _expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+    """The expert-major loops (see the module docstring). Arguments as `routed_expert_mlp`."""
+    pairs = _pairs(expert_ids, expert_weights, expert_count(gate_up_proj), tokens.dtype)
+    num_pairs, tile_rows = pairs.order.shape[0], pairs.tile_rows
+    # Rows in expert order, with one tile of padding so that a tile may run past the last pair.
+    sorted_rows = jnp.zeros((num_pairs + tile_rows, tokens.shape[-1]), tokens.dtype).at[:num_pairs].set(
+        tokens[pairs.sorted_tokens])
+
+    def enter(expert):
         # Materialised once for all of the expert's tiles: measured on XLA:CPU, tiles reading a copy
         # beat tiles reading per-expert buffers in place (the copy stays in cache between tiles).
-        gate_up, down = one_expert(gate_up_proj, expert, tokens.dtype), one_expert(down_proj, expert, tokens.dtype)
-        return slot + 1, expert_tiles(gate_up, down, pair_outputs, group_starts[expert], group_sizes[expert])
+        return one_expert(gate_up_proj, expert, tokens.dtype), one_expert(down_proj, expert, tokens.dtype)
 
-    _, pair_outputs = jax.lax.while_loop(lambda c: c[0] < num_used, expert_step, (jnp.int32(0), pair_outputs))
-    kept = jnp.where(flat_experts[order] < num_experts, pair_weights, 0)
-    weighted = pair_outputs[:num_pairs] * kept[:, None]
-    return jnp.zeros_like(tokens).at[sorted_tokens].add(weighted)
+    def tile(pair_outputs, weights, offset, valid):
+        out = expert_output(*weights, jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows))
+        # Rows past this expert's pairs belong to the next expert, which overwrites them later.
+        return jax.lax.dynamic_update_slice_in_dim(pair_outputs, out, offset, axis=0), weights
+
+    pair_outputs = _visit_tiles(pairs, jnp.zeros_like(sorted_rows), enter=enter, tile=tile)
+    weighted = pair_outputs[:num_pairs] * pairs.kept[:, None]
+    return jnp.zeros_like(tokens).at[pairs.sorted_tokens].add(weighted)
+
+
+@jax.custom_vjp
+def _differentiable_expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+    """`_expert_loop` over float stacks, with a backward pass of the same shape: reverse-mode
+    differentiation cannot go through data-dependent trip counts, so the backward is written out
+    (tested against the dense form's gradient): per used expert and tile, recompute the
+    activations, then d(rows), d(routing weight) and the expert's d(gate_up), d(down)."""
+    return _expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+
+
+def _expert_loop_forward(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+    out = _expert_loop(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+    return out, (tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+
+
+def _expert_loop_backward(residuals, d_out):
+    tokens, expert_ids, expert_weights, gate_up_proj, down_proj = residuals
+    num_experts = gate_up_proj.shape[0]
+    pairs = _pairs(expert_ids, expert_weights, num_experts, tokens.dtype)
+    num_pairs, tile_rows = pairs.order.shape[0], pairs.tile_rows
+    padded = lambda rows: jnp.zeros((num_pairs + tile_rows, rows.shape[-1]), rows.dtype).at[:num_pairs].set(rows)
+    sorted_rows = padded(tokens[pairs.sorted_tokens])
+    # d(output of a pair) = its routing weight · d_out of its token; the weight's own gradient
+    # needs the pair's unweighted output, recomputed below.
+    sorted_d_out = padded(d_out[pairs.sorted_tokens].astype(tokens.dtype))
+    kept = jnp.pad(pairs.kept, (0, tile_rows))
+
+    def enter(expert):
+        gate_up, down = gate_up_proj[expert].astype(tokens.dtype), down_proj[expert].astype(tokens.dtype)
+        return gate_up, down, jnp.zeros_like(gate_up), jnp.zeros_like(down)
+
+    def tile(carry, local, offset, valid):
+        d_rows, d_kept = carry
+        gate_up, down, d_gate_up, d_down = local
+        rows = jax.lax.dynamic_slice_in_dim(sorted_rows, offset, tile_rows)
+        d_pair = jax.lax.dynamic_slice_in_dim(sorted_d_out, offset, tile_rows) * valid[:, None]
+        weight = jax.lax.dynamic_slice_in_dim(kept, offset, tile_rows)
+        gate, up = jnp.split(jnp.einsum("mh,ih->mi", rows, gate_up), 2, axis=-1)
+        activated = jax.nn.silu(gate) * up
+        out = jnp.einsum("mi,hi->mh", activated, down)                     # the pair's unweighted output
+        d_weight = jnp.sum(out * d_pair, axis=-1)                          # [m]
+        d_out_pair = d_pair * weight[:, None]
+        d_activated = jnp.einsum("mh,hi->mi", d_out_pair, down)
+        d_down = d_down + jnp.einsum("mh,mi->hi", d_out_pair, activated)
+        sigmoid = jax.nn.sigmoid(gate)
+        d_gate = d_activated * up * sigmoid * (1 + gate * (1 - sigmoid))    # silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        d_hidden = jnp.concatenate([d_gate, d_activated * jax.nn.silu(gate)], axis=-1)
+        d_gate_up = d_gate_up + jnp.einsum("mi,mh->ih", d_hidden, rows)
+        d_rows = jax.lax.dynamic_update_slice_in_dim(d_rows, jnp.einsum("mi,ih->mh", d_hidden, gate_up), offset,
+                                                     axis=0)
+        d_kept = jax.lax.dynamic_update_slice_in_dim(d_kept, d_weight, offset, axis=0)
+        return (d_rows, d_kept), (gate_up, down, d_gate_up, d_down)
+
+    def leave(carry, local, expert):
+        d_rows, d_kept, d_gate_up_all, d_down_all = carry
+        return (d_rows, d_kept, d_gate_up_all.at[expert].set(local[2]), d_down_all.at[expert].set(local[3]))
+
+    def tile_all(carry, local, offset, valid):
+        (d_rows, d_kept), local = tile(carry[:2], local, offset, valid)
+        return (d_rows, d_kept) + carry[2:], local
+
+    d_rows, d_kept, d_gate_up, d_down = _visit_tiles(
+        pairs, (jnp.zeros_like(sorted_rows), jnp.zeros_like(kept), jnp.zeros(gate_up_proj.shape, tokens.dtype),
+                jnp.zeros(down_proj.shape, tokens.dtype)), enter=enter, tile=tile_all, leave=leave)
+    d_tokens = jnp.zeros_like(tokens).at[pairs.sorted_tokens].add(d_rows[:num_pairs])
+    flat_held = expert_ids.reshape(-1)[pairs.order] < num_experts
+    d_weights = jnp.zeros(expert_ids.size, expert_weights.dtype).at[pairs.order].set(
+        jnp.where(flat_held, d_kept[:num_pairs], 0).astype(expert_weights.dtype)).reshape(expert_weights.shape)
+    return (d_tokens, None, d_weights, d_gate_up.astype(gate_up_proj.dtype), d_down.astype(down_proj.dtype))
+
+
+_differentiable_expert_loop.defvjp(_expert_loop_forward, _expert_loop_backward)
 
 
 def _every_expert_mlp(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):

@@ -88,7 +88,7 @@ def two_stream_core(
     block_size, blocks = mode.block_size, streams.num_blocks
     kernel = conv_weight.shape[-1]
     clean = mixed[:, :length]
-    noisy = mixed[:, length:].reshape(batch, blocks, block_size, -1)
+    noisy = mixed[:, length:].reshape(batch, blocks, block_size, mixed.shape[-1])
 
     # The clean stream: the causal pass, restarting at each example, with the state at every block start.
     query, key, value = split_qkv(jax.nn.silu(causal_conv_with_resets(clean, conv_weight, streams.segment)))
@@ -98,6 +98,8 @@ def two_stream_core(
         query * query.shape[-1] ** -0.5, key, value, decay, jax.nn.sigmoid(beta_logit[:, :length]),
         block_size=block_size, resets=resets)
 
+    if not blocks:  # next-token training: the clean stream alone
+        return clean_core
     # The noisy blocks: block mode against the clean prefix of their example.
     windows = noisy_windows(clean, noisy, streams, block_size, kernel).reshape(batch * blocks, -1, mixed.shape[-1])
     flat_noisy = noisy.reshape(batch * blocks, block_size, -1)

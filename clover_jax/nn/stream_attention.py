@@ -36,6 +36,17 @@ def two_stream_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, 
                       jnp.zeros((batch, kv_heads, group, rows), jnp.float32),
                       jnp.zeros((batch, kv_heads, group, rows, head_dim), jnp.float32))
     running = absorb(running, grouped, key[:, :clean_length], value[:, :clean_length], clean_mask)
+    if blocks:
+        running = _absorb_own_blocks(running, grouped, key, value, clean_length=clean_length, block_size=block_size)
+    out = running.weighted / jnp.where(running.total > 0, running.total, 1.0)[..., None]
+    return rearrange(out, "b k g t d -> b t (k g) d").astype(query.dtype)
+
+
+def _absorb_own_blocks(running: Running, grouped: jax.Array, key: jax.Array, value: jax.Array, *, clean_length: int,
+                       block_size: int) -> Running:
+    """`running` with each noisy row's own block absorbed (every row of the block)."""
+    batch = grouped.shape[0]
+    blocks = (grouped.shape[1] - clean_length) // block_size
 
     # Each noisy block's own keys: its rows become a batch of their own.
     per_block = lambda x: rearrange(x[:, clean_length:], "b (n c) ... -> (b n) c ...", c=block_size)
@@ -44,10 +55,8 @@ def two_stream_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, 
                     rearrange(running.weighted[..., clean_length:, :], "b k g (n c) d -> (b n) k g c d",
                               c=block_size))
     noisy = absorb(noisy, per_block(grouped), per_block(key), per_block(value),
-                    jnp.ones((batch * blocks, block_size, block_size), bool))
+                   jnp.ones((batch * blocks, block_size, block_size), bool))
     back = lambda x: rearrange(x, "(b n) k g c ... -> b k g (n c) ...", b=batch)
-    running = Running(*(jnp.concatenate([whole[..., :clean_length, :] if whole.ndim == 5 else whole[..., :clean_length],
-                                         back(part)], axis=3)
-                        for whole, part in zip(running, noisy, strict=True)))
-    out = running.weighted / jnp.where(running.total > 0, running.total, 1.0)[..., None]
-    return rearrange(out, "b k g t d -> b t (k g) d").astype(query.dtype)
+    clean = lambda x: x[:, :, :, :clean_length]
+    return Running(*(jnp.concatenate([clean(whole), back(part)], axis=3)
+                     for whole, part in zip(running, noisy, strict=True)))

@@ -2,7 +2,7 @@
 
     from clover_jax.training import FinetuneConfig, finetune, block_diffusion_logits
 
-  * `finetune.py`     — the entry point: checks, data, the loop, checkpoints, the written model;
+  * `trainer.py`      — `finetune`, the entry point: checks, data, the loop, checkpoints, the written model;
   * `config.py`       — `FinetuneConfig`, every setting, checked when it is made;
   * `block_pass.py`   — the one training pass (clean stream + noisy blocks) and its inspection form;
   * `loss.py`, `masking.py`, `cross_entropy.py` — the objective, its noise, the chunked cross-entropy;
@@ -13,8 +13,17 @@
     models' digit task, tokenizer and recipes, and exact-match scoring with `decoding.generate`.
 """
 
-from clover_jax.training.block_pass import block_diffusion_logits
-from clover_jax.training.config import FinetuneConfig
-from clover_jax.training.finetune import FinetuneResult, finetune
+import importlib
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "block_diffusion_logits", "finetune"]
+# Imported on first use, so that `clover-jax train --help` (which reads FinetuneConfig's fields) does
+# not import JAX.
+_EXPORTS = {"FinetuneConfig": "config", "FinetuneResult": "trainer", "finetune": "trainer",
+            "block_diffusion_logits": "block_pass"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'clover_jax.training' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"clover_jax.training.{_EXPORTS[name]}"), name)

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any, Sequence
 
 from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
-from clover_jax.training.loss import LOSS_WEIGHTINGS
+
+LOSS_WEIGHTINGS = ("uniform", "inverse_t")
 
 METHODS = ("full",)
 PARAM_DTYPES = ("float32", "bfloat16")

@@ -32,6 +32,8 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
     The logits are `hidden @ headᵀ` in float32; `excluded_token` (the mask token: decoding never
     chooses it, docs/design.md §4) gets logit −∞."""
     rows = hidden.shape[0]
+    if rows == 0:
+        return TokenLosses(jnp.zeros((0,), jnp.float32), jnp.zeros((0,), bool))
     chunk_rows = min(chunk_rows, rows)
     pad = (-rows) % chunk_rows
     hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk_rows, hidden.shape[-1])

@@ -53,6 +53,8 @@ def choose_blocks(packed: PackedRows, rows: np.ndarray, *, block_size: int, widt
     `max_noisy_blocks` per example chosen at random), then unused slots (index past the row)."""
     blocks_per_row = packed.clean_ids.shape[1] // block_size
     chosen = np.full((len(rows), width), blocks_per_row, np.int32)
+    if width == 0:
+        return chosen
     for slot, row in enumerate(rows):
         has_loss = packed.maskable[row].reshape(-1, block_size).any(-1)
         example = packed.segment[row, ::block_size]
@@ -73,7 +75,7 @@ class BatchIterator:
     of `block_sizes`)."""
 
     def __init__(self, packings: dict[int, PackedRows], *, block_sizes: Sequence[int], weights: Sequence[float],
-                 batch_size: int, seed: int, max_noisy_blocks: int | None):
+                 batch_size: int, seed: int, max_noisy_blocks: int | None, noisy: bool = True):
         import grain  # the shuffled, repeated, random-access order of each size's rows
 
         self.packings, self.block_sizes = packings, tuple(block_sizes)
@@ -81,7 +83,9 @@ class BatchIterator:
         self.batch_size, self.seed, self.max_noisy_blocks = batch_size, seed, max_noisy_blocks
         self.order = {size: grain.MapDataset.range(packings[size].num_rows).shuffle(seed=seed + size).repeat()
                       for size in self.block_sizes}
-        self.widths = {size: noisy_width(packings[size], size, max_noisy_blocks) for size in self.block_sizes}
+        # noisy=False: rows without a noisy stream (next-token training of a base model)
+        self.widths = {size: noisy_width(packings[size], size, max_noisy_blocks) if noisy else 0
+                       for size in self.block_sizes}
         self.position = DataPosition(0, (0,) * len(self.block_sizes))
 
     def block_size_at(self, step: int) -> int:

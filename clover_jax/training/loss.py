@@ -23,10 +23,9 @@ from clover_jax.core.streams import make_streams
 from clover_jax.nn.model import CloverTransformer, Params
 from clover_jax.nn.moe import RouterStats
 from clover_jax.training.block_pass import stream_pass
+from clover_jax.training.config import LOSS_WEIGHTINGS
 from clover_jax.training.cross_entropy import DEFAULT_CHUNK_ROWS, chunked_cross_entropy
 from clover_jax.training.masking import Noise
-
-LOSS_WEIGHTINGS = ("uniform", "inverse_t")
 
 
 class TrainRows(NamedTuple):

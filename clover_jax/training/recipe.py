@@ -1,6 +1,14 @@
-"""The bundled tiny Clover's recipe: model config, data, generation config, export.
+"""The bundled tiny models' recipes: the tiny Clover, and the autoregressive base it can be made from.
 
-`scripts/train_tiny_clover.py` calls `train_tiny_clover`; everything that decides the shipped
+* `train_tiny_clover` trains a Clover from random weights with `finetune` (block sizes 4, 8, 16
+  and 32, drawn with weights): the recipe of `clover_jax/bundled/tiny-clover`.
+* `train_tiny_base` trains the same architecture as a plain Qwen3.5-MoE model
+  (`qwen3_5_moe_text`, no mask token, no block-mode tensors) on the next-token loss alone:
+  `clover_jax/bundled/tiny-qwen-base`, which answers autoregressively and cannot decode by
+  diffusion until `clover-jax train` converts it (`make demo-train`).
+
+Both learn the digit-sorting task (`task.py`) from chat JSONL that `write_task_data` writes, so
+each is exactly what a user's own data would go through. Everything that decides a shipped
 checkpoint (sizes, seeds, block sizes, decoding controls) is in this file.
 """
 
@@ -10,35 +18,46 @@ import dataclasses
 import json
 import logging
 import os
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.model import CloverTransformer
 from clover_jax.core.state import empty_state
-from clover_jax.training.batches import TrainBatch, make_batch, prefix_width, sequence_width
+from clover_jax.nn.model import CloverTransformer
+from clover_jax.training.config import FinetuneConfig
 from clover_jax.training.task import SortDigits
-from clover_jax.training.trainer import TrainConfig, Trainer, count_parameters
-from clover_jax.training.vocabulary import (ENDOFTEXT, IM_END, MASK, THINK_END, THINK_START, build_tokenizer,
-                                            special_token_ids, write_tokenizer_files)
+from clover_jax.training.vocabulary import (
+    ENDOFTEXT,
+    IM_END,
+    MASK,
+    THINK_END,
+    THINK_START,
+    build_tokenizer,
+    special_token_ids,
+    write_tokenizer_files,
+)
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bundled", "tiny-clover")
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bundled")
+BUNDLED_DIR = os.path.join(BUNDLED, "tiny-clover")
+BASE_DIR = os.path.join(BUNDLED, "tiny-qwen-base")
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     task: SortDigits = SortDigits(min_digits=4, max_digits=8)
-    train: TrainConfig = TrainConfig()
-    # block sizes trained on, and how often each is drawn
-    block_sizes: tuple[int, ...] = (4, 8, 16, 32)
-    block_size_weights: tuple[float, ...] = (0.15, 0.35, 0.35, 0.15)
-    thinking_fraction: float = 0.8  # the rest use enable_thinking=False prompts
+    train: FinetuneConfig = FinetuneConfig(
+        steps=3000, batch_size=16, seq_len=64, block_size=(4, 8, 16, 32), block_size_weights=(0.15, 0.35, 0.35, 0.15),
+        learning_rate=2e-3, warmup_steps=100, weight_decay=0.01, grad_clip=1.0, load_balance_weight=0.0,
+        checkpoint_every=500, log_every=25)
+    examples: int = 20_000  # training conversations written to the chat JSONL
+    thinking_fraction: float = 0.8  # the rest answer without reasoning (an empty thinking segment)
     model_seed: int = 0
     # architecture
     hidden_size: int = 96
@@ -53,8 +72,18 @@ class Recipe:
     max_new_tokens: int = 32
 
 
-def model_config(recipe: Recipe, special: dict[str, int], vocab_size: int) -> CloverConfig:
+# The autoregressive base: the tiny Clover's architecture, 600 next-token steps of 16 rows of 128 tokens
+# (about 40 conversations a step).
+BASE_RECIPE = Recipe(train=FinetuneConfig(steps=600, batch_size=16, seq_len=128, block_size=16, learning_rate=2e-3,
+                                          warmup_steps=50, load_balance_weight=0.0, log_every=25),
+                     examples=20_000)
+
+
+def model_config(recipe: Recipe, special: dict[str, int | None], vocab_size: int,
+                 model_type: str = "clover_moe") -> CloverConfig:
+    """The tiny architecture as a Clover (`clover_moe`) or a base Qwen3.5-MoE (`qwen3_5_moe_text`)."""
     hidden = recipe.hidden_size
+    clover = model_type == "clover_moe"
     return CloverConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=4 * recipe.num_groups,
         layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4, num_key_value_heads=2,
@@ -63,18 +92,36 @@ def model_config(recipe: Recipe, special: dict[str, int], vocab_size: int) -> Cl
         shared_expert_intermediate_size=recipe.shared_expert_intermediate_size, num_experts=recipe.num_experts,
         num_experts_per_tok=recipe.num_experts_per_tok, rms_norm_eps=1e-6, rope_theta=10_000.0,
         partial_rotary_factor=0.25, max_position_embeddings=1024, tie_word_embeddings=False,
-        eos_token_id=(special[IM_END], special[ENDOFTEXT]), mask_token_id=special[MASK],
-        moe_block_coreset_enabled=True, moe_block_coreset_top_p=0.9, model_type="clover_moe")
+        eos_token_id=(special[IM_END], special[ENDOFTEXT]), mask_token_id=special[MASK] if clover else None,
+        moe_block_coreset_enabled=True, moe_block_coreset_top_p=0.9, model_type=model_type)
 
 
-def generation_config(recipe: Recipe, special: dict[str, int]) -> dict[str, Any]:
+def generation_config(recipe: Recipe, special: dict[str, int | None], clover: bool = True) -> dict[str, Any]:
     """generation_config.json: the task's block size and threshold, neutral repetition controls
-    (sorted digits and the pad run repeat tokens by design), ramps scaled to the task's lengths."""
+    (sorted digits and the pad run repeat tokens by design), ramps scaled to the task's lengths.
+    The base model's holds only what autoregressive decoding reads."""
+    values = {
+        "max_new_tokens": recipe.max_new_tokens,
+        "do_sample": False,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "eos_token_id": [special[IM_END], special[ENDOFTEXT]],
+        "pad_token_id": special[ENDOFTEXT],
+        "think_start_token_id": special[THINK_START],
+        "think_end_token_id": special[THINK_END],
+    }
+    if clover:
+        values.update(task_controls(recipe), mask_token_id=special[MASK])
+    return values
+
+
+def task_controls(recipe: Recipe) -> dict[str, Any]:
+    """The decoding controls that suit the task (a converted model's generation-config overrides)."""
     return {
         "block_size": recipe.block_size,
         "threshold": recipe.threshold,
         "max_new_tokens": recipe.max_new_tokens,
-        "do_sample": False,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
@@ -84,16 +131,31 @@ def generation_config(recipe: Recipe, special: dict[str, int]) -> dict[str, Any]
         "dllm_think_end_bias": 10.0,
         "dllm_think_end_start": 12,
         "dllm_think_end_window": 4,
-        "eos_token_id": [special[IM_END], special[ENDOFTEXT]],
-        "pad_token_id": special[ENDOFTEXT],
-        "mask_token_id": special[MASK],
-        "think_start_token_id": special[THINK_START],
-        "think_end_token_id": special[THINK_END],
     }
 
 
+# `make demo-train`: the base converted into a Clover with `clover-jax train` (scripts/demo_train.py).
+CONVERSION = FinetuneConfig(steps=600, batch_size=8, seq_len=128, block_size=16, learning_rate=2e-3,
+                            warmup_steps=20, log_every=25, generation_config=task_controls(Recipe()))
+
+
+def conversion_flags(config: FinetuneConfig = CONVERSION) -> list[str]:
+    """`clover-jax train` flags for the fields of `config` that differ from the defaults."""
+    flags = []
+    for field in dataclasses.fields(FinetuneConfig):
+        value = getattr(config, field.name)
+        if field.name in ("generation_config", "mesh") or value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        else:
+            flags += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return flags
+
+
 def init_params(config: CloverConfig, seed: int) -> dict:
-    """Random parameters from the modules' initialisers (Clover block-mode ones at docs/design.md §2 defaults).
+    """Random parameters from the modules' initialisers (Clover block-mode ones at their defaults).
 
     Run eagerly (about 20 s on a loaded CPU): a jitted `init` rounds a few leaves differently
     in the last bit, and the bundled checkpoint was trained from the eager one.
@@ -103,67 +165,97 @@ def init_params(config: CloverConfig, seed: int) -> dict:
     return module.init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32), state)["params"]
 
 
-def batch_source(recipe: Recipe, tokenizer, pad_id: int) -> Callable[[int], TrainBatch]:
-    """Step -> batch, a pure function of (seed, step): problems, thinking on/off, block size, block."""
-    task, config = recipe.task, recipe.train
-    sampler = task.training_sampler(config.seed)
-    max_prompt, max_response = task.max_lengths(tokenizer)
-    widths = {size: prefix_width(max_prompt, max_response, size) for size in recipe.block_sizes}
-    seq_width = sequence_width(max_prompt, max_response)
-    weights = np.asarray(recipe.block_size_weights, np.float64) / np.sum(recipe.block_size_weights)
-
-    def batch_for_step(step: int) -> TrainBatch:
-        rng = np.random.default_rng([config.seed, step, 1])
-        size = recipe.block_sizes[int(rng.choice(len(recipe.block_sizes), p=weights))]
-        problems = sampler.problems(step, config.batch_size)
-        thinking = rng.random(config.batch_size) < recipe.thinking_fraction
-        examples = [task.encode(tokenizer, problem, bool(on)) for problem, on in zip(problems, thinking)]
-        return make_batch(examples, size, widths[size], pad_id, rng, seq_width=seq_width)
-
-    return batch_for_step
+def write_task_data(path: str | os.PathLike, task: SortDigits, *, count: int, seed: int,
+                    thinking_fraction: float) -> str:
+    """`count` training conversations of the task as chat JSONL (held-out problems excluded); a
+    fraction answers with reasoning, the rest with an empty thinking segment."""
+    rng = np.random.default_rng([seed, 3])
+    problems = task.training_sampler(seed).problems(0, count)
+    with open(path, "w", encoding="utf-8") as handle:
+        for problem in problems:
+            thinking = bool(rng.random() < thinking_fraction)
+            reply = {"role": "assistant", "content": task.answer(problem),
+                     "reasoning_content": task.reasoning(problem) if thinking else ""}
+            handle.write(json.dumps({"messages": task.messages(problem) + [reply]}) + "\n")
+    return os.fspath(path)
 
 
-def export(params: dict, config: CloverConfig, recipe: Recipe, out_dir: str, extra: dict[str, Any]) -> None:
-    """Write the Hugging Face layout checkpoint: weights, config, generation config, tokenizer."""
+def write_checkpoint(out_dir: str, params: dict, config: CloverConfig, recipe: Recipe,
+                     extra: dict[str, Any] | None = None) -> None:
+    """Write a Hugging Face layout checkpoint: weights, config, generation config, tokenizer (with
+    the mask token for a Clover), and `training_summary.json` when `extra` is given."""
     from weights.writer import save_params
 
-    special = write_tokenizer_files(out_dir, model_max_length=config.max_position_embeddings)
+    clover = config.model_type == "clover_moe"
+    special = write_tokenizer_files(out_dir, model_max_length=config.max_position_embeddings, with_mask=clover)
     save_params(params, config, out_dir, dtype="float32",
                 extra_config={"pad_token_id": special[ENDOFTEXT], "bos_token_id": None})
     with open(os.path.join(out_dir, "generation_config.json"), "w") as handle:
-        json.dump(generation_config(recipe, special), handle, indent=2)
+        json.dump(generation_config(recipe, special, clover), handle, indent=2)
         handle.write("\n")
-    with open(os.path.join(out_dir, "training_summary.json"), "w") as handle:
-        json.dump(extra, handle, indent=2)
-        handle.write("\n")
+    if extra is not None:
+        with open(os.path.join(out_dir, "training_summary.json"), "w") as handle:
+            json.dump(extra, handle, indent=2)
+            handle.write("\n")
     for name in os.listdir(out_dir):  # safetensors writes its file owner-only; the package data is for everyone
         os.chmod(os.path.join(out_dir, name), 0o644)
 
 
+def initial_checkpoint(out_dir: str, recipe: Recipe, *, clover: bool) -> CloverConfig:
+    """The random-weight starting point of a recipe, written as a checkpoint; returns its config."""
+    tokenizer = build_tokenizer(with_mask=clover)
+    special = special_token_ids(tokenizer)
+    vocab_size = 128  # the tokenizer's 128 (127 without the mask token), padded as Qwen pads its embeddings
+    config = model_config(recipe, special, vocab_size, "clover_moe" if clover else "qwen3_5_moe_text")
+    write_checkpoint(out_dir, init_params(config, recipe.model_seed), config, recipe)
+    return config
+
+
 def train_tiny_clover(out_dir: str = BUNDLED_DIR, recipe: Recipe = Recipe(), checkpoint_dir: str | None = None,
                       progress: bool = True) -> dict[str, Any]:
-    """Train the tiny Clover from its seeds and write it to `out_dir`; returns the training summary."""
-    tokenizer = build_tokenizer()
-    special = special_token_ids(tokenizer)
-    config = model_config(recipe, special, vocab_size=tokenizer.get_vocab_size())
-    params = init_params(config, recipe.model_seed)
-    module = CloverTransformer(config, jnp.float32)
-    logger.info("tiny Clover: %d parameters", count_parameters(params))
-    trainer = Trainer(module, recipe.train, mask_token_id=special[MASK], coreset=config.moe_block_coreset_enabled,
-                      coreset_top_p=config.moe_block_coreset_top_p)
-    started = time.perf_counter()
-    state, history = trainer.fit(trainer.init_state(params), batch_source(recipe, tokenizer, special[ENDOFTEXT]),
-                                 checkpoint_dir=checkpoint_dir, progress=progress)
-    seconds = time.perf_counter() - started
-    summary = {
-        "parameters": count_parameters(state.params),
-        "train_seconds": round(seconds, 1),
-        "steps": recipe.train.steps,
-        "final": history[-1] if history else None,
-        "recipe": _jsonable(dataclasses.asdict(recipe)),
-        "history": history,
-    }
-    export(jax.device_get(state.params), config, recipe, out_dir, summary)
+    """Train the tiny Clover from its seeds with `finetune` and write it to `out_dir`."""
+    from clover_jax.training.trainer import finetune
+
+    with tempfile.TemporaryDirectory(prefix="tiny-clover-") as scratch:
+        start = os.path.join(scratch, "initial")
+        initial_checkpoint(start, recipe, clover=True)
+        data = write_task_data(os.path.join(scratch, "train.jsonl"), recipe.task, count=recipe.examples,
+                               seed=recipe.train.seed, thinking_fraction=recipe.thinking_fraction)
+        config = dataclasses.replace(recipe.train, checkpoint_dir=checkpoint_dir or recipe.train.checkpoint_dir,
+                                     generation_config=task_controls(recipe))
+        started = time.perf_counter()
+        result = finetune(start, data, out_dir, config=config, progress=progress)
+    return _summary(out_dir, recipe, result.metrics, time.perf_counter() - started)
+
+
+def train_tiny_base(out_dir: str = BASE_DIR, recipe: Recipe = BASE_RECIPE, progress: bool = True) -> dict[str, Any]:
+    """Train the autoregressive base (next-token loss only) and write it to `out_dir` as a
+    `qwen3_5_moe_text` checkpoint."""
+    from clover_jax.api.clover_model import CloverModel
+    from clover_jax.training.trainer import next_token_training
+
+    with tempfile.TemporaryDirectory(prefix="tiny-base-") as scratch:
+        start = os.path.join(scratch, "initial")
+        config = initial_checkpoint(start, recipe, clover=False)
+        data = write_task_data(os.path.join(scratch, "train.jsonl"), recipe.task, count=recipe.examples,
+                               seed=recipe.train.seed, thinking_fraction=recipe.thinking_fraction)
+        started = time.perf_counter()
+        params, history = next_token_training(CloverModel.from_pretrained(start, progress=False), data,
+                                              config=recipe.train, progress=progress)
+        seconds = time.perf_counter() - started
+    os.makedirs(out_dir, exist_ok=True)
+    write_checkpoint(out_dir, jax.device_get(params), config, recipe)
+    return _summary(out_dir, recipe, history, seconds)
+
+
+def _summary(out_dir: str, recipe: Recipe, history: list[dict], seconds: float) -> dict[str, Any]:
+    summary = {"train_seconds": round(seconds, 1), "steps": recipe.train.steps,
+               "final": history[-1] if history else None, "recipe": _jsonable(dataclasses.asdict(recipe)),
+               "history": history}
+    with open(os.path.join(out_dir, "training_summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
+        handle.write("\n")
+    os.chmod(os.path.join(out_dir, "training_summary.json"), 0o644)
     return summary
 
 

@@ -64,7 +64,9 @@ def make_optimizer(settings: OptimizerSettings) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, settings.learning_rate, settings.warmup_steps, max(settings.steps, settings.warmup_steps + 1),
         end_value=settings.learning_rate * 0.1)
-    decays = lambda params: jax.tree_util.tree_map(lambda leaf: leaf.ndim > 1, params)
+    # A layer's parameters carry a leading [groups] axis: a layer vector is [groups, n].
+    decays = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf.ndim - ("groups" in _path_names(path)) > 1, params)
     optimizer = optax.chain(optax.clip_by_global_norm(settings.grad_clip),
                             optax.adamw(schedule, weight_decay=settings.weight_decay, mask=decays))
     if not settings.freeze_router:
@@ -99,7 +101,8 @@ class StepProgram:
 def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalisers, coreset_top_p: jax.Array,
                *, program: StepProgram) -> tuple[TrainState, dict]:
     """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`."""
-    split = lambda array: array.reshape((program.micro_batches, -1) + array.shape[1:])
+    split = lambda array: array.reshape((program.micro_batches, array.shape[0] // program.micro_batches)
+                                        + array.shape[1:])
     micro_rows = jax.tree_util.tree_map(split, rows)
     step_key = jax.random.fold_in(key, state.step)
     settings = program.settings
@@ -131,6 +134,7 @@ def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normali
                "load_balance_loss": parts.load_balance_loss / program.micro_batches,
                "router_z_loss": parts.router_z_loss / program.micro_batches,
                "masked_accuracy": parts.masked_correct / jnp.maximum(parts.masked_tokens, 1.0),
+               "masked_tokens": parts.masked_tokens,
                "grad_norm": optax.global_norm(grads),
                "expert_load_max": jnp.max(load, axis=-1), "expert_load_min": jnp.min(load, axis=-1),
                "expert_load_cv": jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)}
@@ -147,4 +151,7 @@ def empty_parts(module: CloverTransformer) -> LossParts:
 def init_state(optimizer: OptimizerSettings, params: Params) -> TrainState:
     """A fresh state: float32 master copies of `params`, step 0."""
     master = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf, jnp.float32), params)
-    return TrainState(jnp.int32(0), master, make_optimizer(optimizer).init(master))
+    state = TrainState(jnp.int32(0), master, make_optimizer(optimizer).init(master))
+    # Committed to the device as every step's output is: an uncommitted first state would make the
+    # second step a second compiled program.
+    return jax.device_put(state, jax.devices()[0])

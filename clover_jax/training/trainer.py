@@ -1,161 +1,278 @@
-"""Optimisation loop: optax AdamW, one jitted train step, Orbax checkpoints, a progress bar.
+"""`finetune`: fine-tune a Clover, or convert a Qwen3.5/3.6-MoE checkpoint into one (docs/training.md).
 
-The train state is an explicit pytree (`TrainState`); `Trainer.fit` runs steps from the
-state's step to `config.steps`, taking the batch of each step from a function of the step
-number (so a run resumed from an Orbax checkpoint sees the same data) and the noise from
-`fold_in(key(seed), step)`.
+Everything that can be wrong is checked before the first compile: the config (when it is made),
+the model and its tokenizer, the generation-config overrides, every data line (read, tokenised,
+checked against `seq_len` and packed, per block size). Then the loop: one jitted step per block
+size, a progress bar, a metrics record every `log_every` steps (to `on_metrics`, the log, and
+`metrics.jsonl`), evaluation on `eval_data`, Orbax checkpoints of the whole train state (the
+resumption point: `checkpointing`), and at the end the Hugging Face checkpoint in `out`, with
+`metrics.jsonl` and `loss.png` beside it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import json
 import logging
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
-from clover_jax.nn.model import CloverTransformer, Params
-from clover_jax.training.batches import TrainBatch
-from clover_jax.training.objective import joint_loss
+from clover_jax.core import compilation_cache
+from clover_jax.training import checkpointing, conversion
+from clover_jax.training.block_pass import training_module
+from clover_jax.training.config import FinetuneConfig
+from clover_jax.training.data import read_examples
+from clover_jax.training.data_cache import cached_examples
+from clover_jax.training.dataset import BatchIterator
+from clover_jax.training.held_out import evaluate
+from clover_jax.training.loss import LossSettings
+from clover_jax.training.packing import PackedRows, fit_examples, pack
+from clover_jax.training.step import OptimizerSettings, StepProgram, init_state, normalisers, train_step
 
 logger = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 3000
-    batch_size: int = 32
-    learning_rate: float = 2e-3
-    warmup_steps: int = 100
-    final_learning_rate_fraction: float = 0.05  # cosine decay ends at this fraction of the peak
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    adam_b2: float = 0.98
-    min_mask_ratio: float = 0.02
-    # λ of the joint objective: block diffusion + λ · next-token loss on the causal pass (0: diffusion only)
-    next_token_weight: float = 1.0
-    seed: int = 0
-    checkpoint_every: int = 500
-    log_every: int = 25
-    # The model's GDN chunk setting (`KernelChoice.gdn_chunk`) for training passes (same maths;
-    # None: chosen per pass length as in decoding). Training passes hold few tokens.
-    gdn_chunk_size: int | None = 16
+__all__ = ["FinetuneConfig", "FinetuneResult", "finetune"]
 
 
-class TrainState(NamedTuple):
-    step: jax.Array  # int32 []
-    params: Params
-    opt_state: Any
+class FinetuneResult(NamedTuple):
+    """out: the written checkpoint's directory; metrics: one dict per logged step (step, loss,
+    diffusion_loss, next_token_loss, masked_accuracy, tokens, seconds, ...; eval_* at evaluations)."""
+
+    out: str
+    metrics: list[dict]
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with linear warm-up and cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
-        end_value=config.learning_rate * config.final_learning_rate_fraction)
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                       optax.adamw(schedule, b2=config.adam_b2, weight_decay=config.weight_decay))
+def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, *,
+             config: FinetuneConfig | None = None, eval_data: str | os.PathLike | Sequence | None = None,
+             on_metrics: Callable[[dict], None] | None = None, progress: bool = True) -> FinetuneResult:
+    """Train `model` on `data` (JSONL file(s)) and write the result to `out`.
+
+    model: a checkpoint directory or Hub id of a Clover or Qwen3.5/3.6-MoE model, or a `CloverModel`
+    (its `path` gives the tokenizer and generation config); config: `FinetuneConfig()` when None;
+    on_metrics: called with each metrics record as it is made."""
+    from clover_jax.api.clover_model import CloverModel
+    from clover_jax.api.tokenization import Tokenizer
+
+    config = config or FinetuneConfig()
+    if not isinstance(model, CloverModel):
+        model = CloverModel.from_pretrained(model, progress=progress)
+    if model.path is None:
+        raise ValueError("the model has no checkpoint directory (CloverModel.path): its tokenizer and generation "
+                         "config come from there")
+    tokenizer = Tokenizer.from_pretrained(model.path)
+    target = conversion.plan_target(model.config, tokenizer, model.path, config.generation_config)
+    default_block = int(target.generation_config.get("block_size", 32))
+    sizes, weights = config.block_sizes(default_block), config.block_weights(default_block)
+    pad_id = _pad_id(tokenizer, target)
+    end_of_turn = list(target.config.eos_token_id) or [pad_id]
+
+    read = functools.partial(cached_examples, tokenizer=tokenizer, end_of_turn=end_of_turn,
+                             split_turns=config.split_turns, directory=_data_directory(config))
+    examples = read(data)
+    packings = {size: _packed(examples, config, size, pad_id) for size in sizes}
+    held_out = None if eval_data is None else _packed(read(eval_data), config, sizes[0], pad_id)
+    for size, packed in packings.items():
+        logger.info("block size %d: %d examples in %d rows of %d tokens", size, len(examples), packed.num_rows,
+                    config.seq_len)
+
+    params = model.params
+    if target.grown_vocab:
+        params = conversion.grow_vocabulary(params, model.config, target.grown_vocab)
+    module = training_module(model.module.clone(config=target.config), remat=config.remat == "full")
+    compute_dtype = config.param_dtype or str(model.dtype)
+    programs = {size: _program(config, module, _loss_settings(config, target.config, size), compute_dtype)
+                for size in sizes}
+    batches = BatchIterator(packings, block_sizes=sizes, weights=weights, batch_size=config.batch_size,
+                            seed=config.seed, max_noisy_blocks=config.max_noisy_blocks)
+    evaluation = None
+    if held_out is not None:
+        evaluation = functools.partial(_evaluate, program=programs[sizes[0]], held_out=held_out, config=config,
+                                       top_p=target.config.moe_block_coreset_top_p)
+    state, history = _train(init_state(OptimizerSettings.of(config), params), batches, programs, config=config,
+                            top_p=target.config.moe_block_coreset_top_p, evaluation=evaluation, on_metrics=on_metrics,
+                            progress=progress)
+    out = os.fspath(out)
+    _write(out, model, state.params, target, compute_dtype)
+    _write_metrics(out, history)
+    return FinetuneResult(out, history)
 
 
-class Trainer:
-    """Joint block-diffusion and next-token training of a `CloverTransformer` (see
-    `clover_jax.training.objective`)."""
+def next_token_training(model, data, *, config: FinetuneConfig, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Train `model` (a `CloverModel` of a base checkpoint) on the next-token loss alone: no noisy
+    stream, no mask token, the model stays what it was (how the bundled autoregressive base is
+    made). returns (parameters in the model's dtype, the logged metrics)."""
+    from clover_jax.api.tokenization import Tokenizer
 
-    def __init__(self, module: CloverTransformer, config: TrainConfig, mask_token_id: int, coreset: bool = True,
-                 coreset_top_p: float = 0.9):
-        if config.gdn_chunk_size is not None:
-            module = module.clone(kernels=dataclasses.replace(module.kernels, gdn_chunk=config.gdn_chunk_size))
-        self.module = module
-        self.config = config
-        self.optimizer = make_optimizer(config)
-        loss = functools.partial(joint_loss, module=module, mask_token_id=mask_token_id,
-                                 next_token_weight=config.next_token_weight, coreset=coreset,
-                                 coreset_top_p=coreset_top_p, min_ratio=config.min_mask_ratio)
-
-        def train_step(state: TrainState, batch: TrainBatch, key: jax.Array):
-            (value, parts), grads = jax.value_and_grad(
-                lambda params: loss(params, batch=batch, key=key), has_aux=True)(state.params)
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": value, "diffusion_loss": parts.diffusion_loss,
-                       "cross_entropy": parts.diffusion.cross_entropy, "accuracy": parts.diffusion.accuracy,
-                       "masked_fraction": parts.diffusion.masked_fraction,
-                       "next_token_cross_entropy": parts.next_token.cross_entropy,
-                       "next_token_accuracy": parts.next_token.accuracy, "grad_norm": optax.global_norm(grads)}
-            return TrainState(state.step + 1, params, opt_state), metrics
-
-        self._train_step = jax.jit(train_step, donate_argnums=0)
-
-    def init_state(self, params: Params) -> TrainState:
-        return TrainState(jnp.int32(0), params, self.optimizer.init(params))
-
-    def step(self, state: TrainState, batch: TrainBatch, key: jax.Array) -> tuple[TrainState, dict]:
-        return self._train_step(state, batch, key)
-
-    def fit(self, state: TrainState, batch_for_step: Callable[[int], TrainBatch],
-            checkpoint_dir: str | os.PathLike | None = None, progress: bool = True) -> tuple[TrainState, list[dict]]:
-        """Train until `config.steps`; resume from the latest checkpoint in `checkpoint_dir`.
-
-        Returns the final state and the logged metrics (every `log_every` steps and the last).
-        """
-        config = self.config
-        manager = _checkpoint_manager(checkpoint_dir, config.checkpoint_every) if checkpoint_dir else None
-        if manager is not None and manager.latest_step() is not None:
-            import orbax.checkpoint as ocp
-
-            restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
-            state = TrainState(*restored) if not isinstance(restored, TrainState) else restored
-            logger.info("resumed from step %d in %s", int(state.step), checkpoint_dir)
-        # Restored arrays are committed to a device; commit fresh ones too, so both hit one compiled step.
-        state = jax.device_put(state, jax.devices()[0])
-        base_key = jax.random.key(config.seed)
-        first = int(state.step)
-        history: list[dict] = []
-        started = time.perf_counter()
-        try:
-            with tqdm(total=config.steps, initial=first, desc="training", unit="step", disable=not progress) as bar:
-                for step in range(first, config.steps):
-                    state, metrics = self.step(state, batch_for_step(step), jax.random.fold_in(base_key, step))
-                    done = step + 1
-                    if done % config.log_every == 0 or done == config.steps:
-                        # NaN marks a part that was not computed (the next-token loss at weight 0)
-                        record = {name: float(value) for name, value in jax.device_get(metrics).items()
-                                  if not np.isnan(value)}
-                        record.update(step=done, seconds=time.perf_counter() - started)
-                        history.append(record)
-                        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
-                                        next_acc=f"{record.get('next_token_accuracy', float('nan')):.3f}")
-                        logger.debug("step %d: %s", done, record)
-                    if manager is not None:
-                        _save(manager, done, state, force=done == config.steps)
-                    bar.update(1)
-        finally:
-            if manager is not None:
-                manager.wait_until_finished()
-                manager.close()
-        return state, history
+    tokenizer = Tokenizer.from_pretrained(model.path)
+    size = config.block_sizes(16)[0]  # examples still start at block boundaries; nothing is denoised
+    eos = list(model.config.eos_token_id)
+    examples = read_examples(data, tokenizer, end_of_turn=eos, split_turns=config.split_turns)
+    packed = _packed(examples, config, size, eos[0])
+    settings = _loss_settings(config, model.config, size)._replace(mask_token_id=None, load_balance_weight=float(
+        config.load_balance_weight))
+    program = _program(config, training_module(model.module, remat=config.remat == "full"), settings,
+                       str(model.dtype))
+    batches = BatchIterator({size: packed}, block_sizes=(size,), weights=(1.0,), batch_size=config.batch_size,
+                            seed=config.seed, max_noisy_blocks=None, noisy=False)
+    state, history = _train(init_state(OptimizerSettings.of(config), model.params), batches, {size: program},
+                            config=config, top_p=1.0, evaluation=None, on_metrics=None, progress=progress)
+    return jax.tree_util.tree_map(lambda leaf: leaf.astype(model.dtype), state.params), history
 
 
-def _checkpoint_manager(directory, every: int):
-    import orbax.checkpoint as ocp
+def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneConfig, top_p: float, evaluation,
+           on_metrics, progress: bool):
+    """The loop: steps from the state's (or the latest checkpoint's) to `config.steps`; returns the
+    final state and the logged metrics."""
+    history: list[dict] = []
+    saver = checkpointing.Saver(config.checkpoint_dir, config.checkpoint_every) if config.checkpoint_dir else None
+    if saver is not None:
+        state, batches.position, history = saver.restore_latest(state, batches.position, history)
+    key = jax.random.key(config.seed)
+    top_p = jnp.float32(top_p)
+    started = time.perf_counter()
+    tokens_seen = 0
+    try:
+        with tqdm(total=config.steps, initial=int(state.step), desc="training", unit="step",
+                  disable=not progress) as bar:
+            for step in range(int(state.step), config.steps):
+                batch = batches.next()
+                norm = normalisers(batch.rows, batch.block_size)
+                state, metrics = train_step(state, batch.rows, key, norm, top_p, program=programs[batch.block_size])
+                checkpointing.fault_point("step", step + 1)
+                tokens_seen += int(np.sum(batch.rows.segment > 0))
+                done = step + 1
+                if done % config.log_every == 0 or done == config.steps:
+                    record = _record(metrics, done, norm, batch.block_size, tokens_seen, time.perf_counter() - started)
+                    if evaluation is not None and config.eval_every and done % config.eval_every == 0:
+                        record.update(evaluation(state))
+                    history.append(record)
+                    shown = {"loss": f"{record['loss']:.4f}"}
+                    if record["masked_tokens"]:
+                        shown["masked_acc"] = f"{record['masked_accuracy']:.3f}"
+                    bar.set_postfix(shown)
+                    logger.debug("step %d: %s", done, record)
+                    if on_metrics is not None:
+                        on_metrics(record)
+                if saver is not None:
+                    saver.maybe_save(done, state, batches.position, history, final=done == config.steps)
+                bar.update(1)
+        if evaluation is not None and not (config.eval_every and config.steps % config.eval_every == 0):
+            final = evaluation(state)
+            if history and history[-1]["step"] == config.steps:
+                history[-1].update(final)
+            else:
+                history.append({"step": config.steps, **final})
+            if on_metrics is not None:
+                on_metrics(history[-1])
+    finally:
+        if saver is not None:
+            saver.close()
+    return state, history
 
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
-    return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+
+# ---------------------------------------------------------------------- before the loop
+def _data_directory(config: FinetuneConfig) -> str | None:
+    """Where tokenised data is kept: the run's checkpoint directory, else the cache directory."""
+    if config.checkpoint_dir:
+        return os.path.join(os.fspath(config.checkpoint_dir), "data")
+    return compilation_cache.data_directory()
 
 
-def _save(manager, step: int, state: TrainState, force: bool) -> None:
-    import orbax.checkpoint as ocp
+def _pad_id(tokenizer, target: conversion.Target) -> int:
+    """The pad token after an example's end: `pad_token_id` of the tokenizer, else the first EOS."""
+    pad = tokenizer.config.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    pad_id = tokenizer.token_to_id(pad) if isinstance(pad, str) else None
+    if pad_id is None:
+        if not target.config.eos_token_id:
+            raise ValueError("the tokenizer has no pad token and config.json no eos_token_id: nothing can fill the "
+                             "positions after an example's end")
+        pad_id = target.config.eos_token_id[0]
+    return int(pad_id)
 
-    if force or manager.should_save(step):
-        manager.save(step, args=ocp.args.StandardSave(state), force=force)
+
+def _packed(examples, config: FinetuneConfig, block_size: int, pad_id: int) -> PackedRows:
+    fitted = fit_examples(examples, seq_len=config.seq_len, block_size=block_size, truncate=config.truncate)
+    if not fitted:
+        raise ValueError("no example holds a trained token (loss tokens): nothing to train on")
+    return pack(fitted, seq_len=config.seq_len, block_size=block_size, pad_id=pad_id, seed=config.seed)
 
 
-def count_parameters(params: Params) -> int:
-    return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
+def _program(config: FinetuneConfig, module, settings: LossSettings, compute_dtype: str) -> StepProgram:
+    return StepProgram(module, settings, OptimizerSettings.of(config), config.mask_ratio_floor, compute_dtype,
+                       config.grad_accum_steps)
+
+
+def _loss_settings(config: FinetuneConfig, model_config, block_size: int) -> LossSettings:
+    return LossSettings(block_size=block_size, mask_token_id=model_config.mask_token_id,
+                        coreset=model_config.moe_block_coreset_enabled, complementary=config.complementary,
+                        loss_weighting=config.weighting, next_token_weight=float(config.next_token_weight),
+                        load_balance_weight=float(config.load_balance_weight),
+                        router_z_weight=float(config.router_z_weight))
+
+
+# ---------------------------------------------------------------------- in the loop
+def _record(metrics: dict, step: int, norm, block_size: int, tokens_seen: int, seconds: float) -> dict:
+    values = jax.device_get(metrics)
+    record: dict[str, Any] = {"step": step}
+    for name, value in values.items():
+        value = np.asarray(value)
+        record[name] = float(value) if value.ndim == 0 else [round(float(v), 6) for v in value]
+    record.update(block_size=block_size, loss_tokens=int(norm.loss_tokens), next_token_targets=int(norm.next_tokens),
+                  tokens=tokens_seen, seconds=round(seconds, 3))
+    return record
+
+
+def _evaluate(state, *, program: StepProgram, held_out: PackedRows, config: FinetuneConfig, top_p: float) -> dict:
+    compute = jax.tree_util.tree_map(lambda leaf: leaf.astype(program.compute_dtype), state.params)
+    return evaluate(compute, program.module, held_out, settings=program.settings, batch_size=config.micro_batch,
+                    coreset_top_p=top_p)
+
+
+# ---------------------------------------------------------------------- after the loop
+def _write(out: str, model, master: dict, target: conversion.Target, dtype: str) -> None:
+    """The Hugging Face checkpoint: weights in `dtype`, config.json, generation_config.json, tokenizer files."""
+    from weights.writer import save_params
+
+    os.makedirs(out, exist_ok=True)
+    params = jax.tree_util.tree_map(lambda leaf: np.asarray(jax.device_get(leaf)), master)
+    pad = {"pad_token_id": target.generation_config.get("pad_token_id")} if "pad_token_id" in \
+        target.generation_config else {}
+    save_params(params, target.config, out, dtype=dtype, extra_config=pad)
+    conversion.write_tokenizer(model.path, out, target)
+    conversion.write_generation_config(out, target)
+    logger.info("wrote the trained checkpoint to %s", out)
+
+
+def _write_metrics(out: str, history: list[dict]) -> None:
+    with open(os.path.join(out, "metrics.jsonl"), "w") as handle:
+        for record in history:
+            handle.write(json.dumps(record) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no loss.png (pip install 'clover-jax[train]')")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [record["step"] for record in history if "loss" in record]
+    for name in ("loss", "diffusion_loss", "next_token_loss"):
+        axis.plot(steps, [record[name] for record in history if "loss" in record], label=name)
+    evaluated = [record for record in history if "eval_diffusion_loss" in record]
+    if evaluated:
+        axis.plot([r["step"] for r in evaluated], [r["eval_diffusion_loss"] for r in evaluated], "o--",
+                  label="eval_diffusion_loss")
+    axis.set_xlabel("step")
+    axis.set_yscale("log")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(out, "loss.png"), dpi=100)
+    plt.close(figure)

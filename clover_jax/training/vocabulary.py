@@ -77,7 +77,8 @@ def build_tokenizer(with_mask: bool = True):
     return tokenizer
 
 
-def write_tokenizer_files(directory: str | os.PathLike, model_max_length: int, with_mask: bool = True) -> dict[str, int]:
+def write_tokenizer_files(directory: str | os.PathLike, model_max_length: int,
+                          with_mask: bool = True) -> dict[str, int]:
     """Write `tokenizer.json` and `tokenizer_config.json` (with the chat template); returns the
     special token ids by name."""
     directory = os.fspath(directory)

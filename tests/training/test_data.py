@@ -181,3 +181,30 @@ def test_max_noisy_blocks_keeps_at_most_that_many_blocks_of_each_example(tokeniz
         assert set(used) <= set(everything[row][everything[row] < 32])
         with_loss = packed.maskable[row].reshape(-1, 4).any(-1)
         assert sorted(everything[row][everything[row] < 32]) == np.flatnonzero(with_loss).tolist()
+
+
+def test_tokenised_data_is_kept_and_read_again_only_when_data_or_tokenizer_change(tokenizer, tmp_path, monkeypatch):
+    import shutil
+
+    from clover_jax.training import data_cache
+
+    path = write_lines(tmp_path / "chat.jsonl", chat("sort 3 1", "1 3"), {"text": "abc"})
+    shards = tmp_path / "shards"
+    first = data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
+                                       directory=str(shards))
+    monkeypatch.setattr(data_cache, "read_examples", lambda *a, **k: pytest.fail("read again"))
+    again = data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
+                                       directory=str(shards))
+    assert [(e.ids.tolist(), e.loss.tolist(), e.turn_ends, e.source) for e in again] == \
+        [(e.ids.tolist(), e.loss.tolist(), e.turn_ends, e.source) for e in first]
+    copy = tmp_path / "tokenizer"
+    shutil.copytree(BUNDLED_DIR, copy)
+    with open(copy / "tokenizer_config.json", "a") as handle:
+        handle.write(" ")
+    changed = Tokenizer.from_pretrained(copy)
+    key = lambda tok, turns: data_cache.data_key([path], tok.path, end_of_turn=[IM_END], split_turns=turns)
+    assert len({key(tokenizer, False), key(changed, False), key(tokenizer, True)}) == 3
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"text": "more"}) + "\n")
+    with pytest.raises(pytest.fail.Exception, match="read again"):
+        data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False, directory=str(shards))

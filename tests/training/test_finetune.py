@@ -1,0 +1,134 @@
+"""`finetune` / `clover-jax train` end to end: a shortened conversion of the bundled autoregressive
+base into a Clover, bad data refused before anything compiles, and bitwise resumption after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clover_jax.training import FinetuneConfig, finetune
+from clover_jax.training.data import DataError
+from clover_jax.training.recipe import BASE_DIR, Recipe, task_controls, write_task_data
+
+CONVERSION = FinetuneConfig(steps=24, batch_size=8, seq_len=64, block_size=16, learning_rate=3e-3, warmup_steps=4,
+                            log_every=4, load_balance_weight=0.0, generation_config=task_controls(Recipe()))
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("task")
+    return write_task_data(directory / "train.jsonl", Recipe().task, count=400, seed=0, thinking_fraction=0.8)
+
+
+@pytest.fixture(scope="module")
+def converted(task_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted")
+    return finetune(BASE_DIR, task_data, out, config=CONVERSION, progress=False)
+
+
+def test_the_bundled_base_is_a_qwen_model_without_a_mask_token():
+    with open(os.path.join(BASE_DIR, "config.json")) as handle:
+        config = json.load(handle)
+    assert config["model_type"] == "qwen3_5_moe_text" and "mask_token_id" not in config
+    with open(os.path.join(BASE_DIR, "tokenizer_config.json")) as handle:
+        assert "<|mask|>" not in json.dumps(json.load(handle))
+
+
+def test_a_short_conversion_lowers_the_loss_and_raises_masked_accuracy(converted):
+    first, last = converted.metrics[0], converted.metrics[-1]
+    assert last["diffusion_loss"] < 0.5 * first["diffusion_loss"]
+    assert last["masked_accuracy"] > first["masked_accuracy"] + 0.2
+    assert [record["step"] for record in converted.metrics] == [4, 8, 12, 16, 20, 24]
+    for name in ("loss", "diffusion_loss", "next_token_loss", "masked_accuracy", "tokens", "seconds"):
+        assert name in last
+    lines = open(os.path.join(converted.out, "metrics.jsonl")).read().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 8, 12, 16, 20, 24]
+    assert os.path.isfile(os.path.join(converted.out, "loss.png"))
+
+
+def test_the_converted_model_is_a_clover_with_a_mask_token_past_the_tokenizer(converted):
+    from clover_jax import CloverModel
+    from clover_jax.api.tokenization import Tokenizer
+    from decoding import GenerationConfig
+
+    with open(os.path.join(converted.out, "config.json")) as handle:
+        config = json.load(handle)
+    tokenizer = Tokenizer.from_pretrained(converted.out)
+    base = Tokenizer.from_pretrained(BASE_DIR)
+    assert config["model_type"] == "clover_moe" and config["vocab_size"] == 128  # no resize: 127 < 128
+    assert config["mask_token_id"] == len(base) == 127 and tokenizer.token_to_id("<|mask|>") == 127
+    generation = GenerationConfig.from_pretrained(converted.out)
+    assert generation.mask_token_id == 127 and generation.block_size == 16 and generation.threshold == 0.9
+    model = CloverModel.from_pretrained(converted.out, strict=True, progress=False)
+    gdn = model.params["groups"]["layer_0"]["linear_attn"]
+    assert np.abs(np.asarray(gdn["conv1d_right_weight"])).max() > 0  # block-mode tensors trained from their defaults
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "autoregressive", "self_speculative"])
+def test_the_converted_model_decodes_in_every_mode(converted, mode):
+    from clover_jax import CloverModel
+    from clover_jax.api.tokenization import Tokenizer
+    from decoding import generate
+
+    model = CloverModel.from_pretrained(converted.out, progress=False, chunk_size=64)
+    tokenizer = Tokenizer.from_pretrained(converted.out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "sort 3 1 2 5"}], add_generation_prompt=True,
+                                           return_dict=False)
+    out = generate(model, [prompt], mode=mode, max_new_tokens=16)
+    assert 1 <= len(out.sequences[0]) <= 16 and out.nfe[0] >= 1
+
+
+def test_bad_data_is_refused_before_anything_compiles(task_data, tmp_path, monkeypatch):
+    from clover_jax.training import trainer as module
+
+    monkeypatch.setattr(module, "train_step", lambda *a, **k: pytest.fail("a step ran"))
+    bad = tmp_path / "bad.jsonl"
+    lines = open(task_data).read().splitlines()[:5] + ['{"messages": [{"role": "user", "content": 1}]}']
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 6"):
+        finetune(BASE_DIR, str(bad), tmp_path / "out", config=CONVERSION, progress=False)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": "9 " * 100}) + "\n")
+    with pytest.raises(DataError, match=r"long\.jsonl, line 1: the example holds"):
+        finetune(BASE_DIR, str(long), tmp_path / "out", config=CONVERSION, progress=False)
+
+
+RESUMED = ["--steps", "6", "--batch-size", "2", "--seq-len", "64", "--block-size", "16", "--learning-rate", "3e-3",
+           "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "2", "--no-progress"]
+
+
+def train_command(data, out, checkpoints=None, kill_at=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("CLOVER_JAX_KILL_AT", None)
+    if kill_at:
+        env["CLOVER_JAX_KILL_AT"] = kill_at
+    command = [sys.executable, "-m", "clover_jax", "train", "--model", BASE_DIR, "--data", data, "--out", str(out),
+               *RESUMED]
+    if checkpoints:
+        command += ["--checkpoint-dir", str(checkpoints)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_a_run_killed_inside_a_step_and_during_a_save_resumes_to_the_same_checkpoint_bit_for_bit(task_data, tmp_path):
+    straight = train_command(task_data, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    steps = [json.loads(line)["step"] for line in straight.stdout.splitlines() if '"loss"' in line]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    checkpoints = tmp_path / "checkpoints"
+    for kill_at in ("step:3", "save:4"):  # inside step 3 (after step 2's checkpoint); while saving step 4's
+        killed = train_command(task_data, tmp_path / "resumed", checkpoints, kill_at)
+        assert killed.returncode == -9, killed.stderr
+        assert not (tmp_path / "resumed").exists()
+    resumed = train_command(task_data, tmp_path / "resumed", checkpoints)
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in resumed.stdout.splitlines() if '"loss"' in line]
+    assert records[0]["step"] == 1 and records[-1]["step"] == 6  # the restored history, then the rest
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+        assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    assert [json.loads(line)["loss"] for line in open(tmp_path / "resumed" / "metrics.jsonl")] == \
+        [json.loads(line)["loss"] for line in open(tmp_path / "straight" / "metrics.jsonl")]
