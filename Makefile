@@ -9,7 +9,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEMO_PROMPT ?= sort 3 1 4 1 5 9 2 6
 DEMO_FLAGS ?= --show-steps
 
-.PHONY: test venv demo bench bench-load bench-serving clean
+.PHONY: test venv demo demo-train bench bench-load bench-serving clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,21 @@ demo: $(RUNTIME_STAMP)
 	$(BIN)/clover-jax generate $(DEMO_FLAGS) "$(DEMO_PROMPT)"
 	@echo "== the fixed_k schedule, two positions per denoising step: watch each block fill in"
 	$(BIN)/clover-jax generate $(DEMO_FLAGS) --schedule fixed_k --tokens-per-step 2 "$(DEMO_PROMPT)"
+
+# Clover's own story in miniature (docs/training.md): the bundled autoregressive base
+# (clover_jax/bundled/tiny-qwen-base) converted into a Clover by `clover-jax train`, then scored on
+# held-out prompts by diffusion and autoregressively. DATA=FILE.jsonl trains on your chat JSONL
+# instead of the task's; OUT=DIR is where the Clover is written.
+DATA ?=
+OUT ?= build/demo-clover
+TRAIN_STAMP := $(VENV)/.installed-train
+
+$(TRAIN_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[serve,train]"
+	touch $(TRAIN_STAMP)
+
+demo-train: $(TRAIN_STAMP)
+	$(BIN)/python scripts/demo_train.py --out "$(OUT)" $(if $(DATA),--data "$(DATA)")
 
 # Every benchmark side by side (about 1.5 hours on 2 cores); rewrites docs/benchmarks.md.
 bench: $(STAMP)

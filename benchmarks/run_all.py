@@ -3,7 +3,8 @@
 summary table of the headline figures and ratios, one table per benchmark, and each script's
 full JSON output.
 
-Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time),
+Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time), training.py
+(the train step's objectives side by side),
 forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
 load_orbax.py (the last two with their own defaults), roofline.py
 (arithmetic only), compile_targets.py (Clover-35B compiled for every named accelerator; about
@@ -39,8 +40,8 @@ from benchmarks.common import REPO_ROOT, machine, setup_environment  # noqa: E40
 
 setup_environment()
 
-SCRIPTS = ["decoding", "serving", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling",
-           "load", "load_orbax", "roofline", "compile_targets"]
+SCRIPTS = ["decoding", "serving", "training", "forward_cost", "expert_scaling", "context_scaling", "compile",
+           "moe_scaling", "load", "load_orbax", "roofline", "compile_targets"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}
 
@@ -346,7 +347,24 @@ def render_compile_targets(j: dict):
                    ["compile_targets", "worst absolute (estimate − compiler) / compiler", f(worst)]]
 
 
-RENDER = {"decoding": render_decoding, "serving": render_serving, "forward_cost": render_forward_cost,
+def render_training(j: dict):
+    rows = []
+    for name, run in j["runs"].items():
+        rows.append([name.replace("_", " "), f(run["seconds_median"]), run["noisy_rows"], f(run["diffusion_targets"]),
+                     f(run["next_token_targets"]), f(run["supervised_tokens_per_second"]),
+                     f(run["diffusion_targets_per_second"]), f(run["seconds_median"] / run["roofline_seconds"])])
+    lines = table(["objective", "step s", "noisy rows / row", "masked targets", "next-token targets",
+                   "supervised tokens/s", "masked targets/s", "step / roofline"], rows)
+    lines.append("")
+    lines.append(f"{j['model']} model, batch {j['batch']} x {j['seq_len']} tokens, block {j['block_size']}; "
+                 f"masked diffusion targets/s ratio {f(j['diffusion_targets_ratio'])}.")
+    return lines, [["training", "one pass / one block per example, supervised tokens/s",
+                    f(j["checks"][0]["value"])],
+                   ["training", "one-pass step / its roofline bound", f(j["step_over_roofline"])]]
+
+
+RENDER = {"decoding": render_decoding, "serving": render_serving, "training": render_training,
+          "forward_cost": render_forward_cost,
           "expert_scaling": render_expert_scaling, "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
           "roofline": render_roofline, "compile_targets": render_compile_targets}
@@ -354,6 +372,7 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
                       "(`benchmarks/decoding.py`)",
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
                      "(`benchmarks/serving.py`)",
+          "training": "Training: the one-pass objective vs one block per example (`benchmarks/training.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
           "expert_scaling": "8 vs 64 experts, same model otherwise (`benchmarks/expert_scaling.py`)",
           "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",
