@@ -21,8 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.core.state import empty_state
+from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 
 
 def differentiable(module: CloverTransformer) -> CloverTransformer:

@@ -30,8 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.core.state import empty_state
+from clover_jax.nn.model import CloverTransformer, Params, TransformerPasses
 from clover_jax.training.batches import TrainBatch
 from clover_jax.training.next_token import NextTokenParts, differentiable, next_token_loss
 
@@ -115,7 +115,7 @@ def block_diffusion_loss(params: Params, module: CloverTransformer, batch: Train
     return weighted_masked_cross_entropy(logits, block_ids, noisy)
 
 
-def joint_loss(params: Params, module: CloverTransformer, batch: TrainBatch, key: jax.Array, mask_token_id: int,
+def joint_loss(params: Params, module: CloverTransformer, batch: TrainBatch, key: jax.Array, mask_token_id: int, *,
                next_token_weight: float = 1.0, coreset: bool = True, coreset_top_p: float = 0.9,
                min_ratio: float = 0.02) -> tuple[jax.Array, JointParts]:
     """Block-diffusion loss + next_token_weight · next-token loss of one batch (see the module docstring)."""

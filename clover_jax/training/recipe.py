@@ -18,13 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.model import CloverTransformer
 from clover_jax.core.state import empty_state
+from clover_jax.nn.model import CloverTransformer
 from clover_jax.training.batches import TrainBatch, make_batch, prefix_width, sequence_width
 from clover_jax.training.task import SortDigits
 from clover_jax.training.trainer import TrainConfig, Trainer, count_parameters
-from clover_jax.training.vocabulary import (ENDOFTEXT, IM_END, MASK, THINK_END, THINK_START, build_tokenizer,
-                                            special_token_ids, write_tokenizer_files)
+from clover_jax.training.vocabulary import (
+    ENDOFTEXT,
+    IM_END,
+    MASK,
+    THINK_END,
+    THINK_START,
+    build_tokenizer,
+    special_token_ids,
+    write_tokenizer_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +125,7 @@ def batch_source(recipe: Recipe, tokenizer, pad_id: int) -> Callable[[int], Trai
         size = recipe.block_sizes[int(rng.choice(len(recipe.block_sizes), p=weights))]
         problems = sampler.problems(step, config.batch_size)
         thinking = rng.random(config.batch_size) < recipe.thinking_fraction
-        examples = [task.encode(tokenizer, problem, bool(on)) for problem, on in zip(problems, thinking)]
+        examples = [task.encode(tokenizer, problem, bool(on)) for problem, on in zip(problems, thinking, strict=True)]
         return make_batch(examples, size, widths[size], pad_id, rng, seq_width=seq_width)
 
     return batch_for_step

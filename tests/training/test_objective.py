@@ -12,8 +12,13 @@ import pytest
 
 from clover_jax.nn.model import CloverTransformer
 from clover_jax.training.batches import decodable_blocks, make_batch, prefix_width
-from clover_jax.training.objective import (NoisyBlock, block_diffusion_loss, block_logits, corrupt_block,
-                                           weighted_masked_cross_entropy)
+from clover_jax.training.objective import (
+    NoisyBlock,
+    block_diffusion_loss,
+    block_logits,
+    corrupt_block,
+    weighted_masked_cross_entropy,
+)
 from clover_jax.training.recipe import Recipe, batch_source, init_params, model_config
 from clover_jax.training.task import Example
 from clover_jax.training.trainer import TrainConfig, Trainer
@@ -156,5 +161,5 @@ def test_training_resumes_from_its_orbax_checkpoint(tiny_trainer_setup, tmp_path
     finally:
         trainer.config = recipe.train
     assert [record["step"] for record in history] == [5, 6]
-    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
