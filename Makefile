@@ -36,6 +36,7 @@ venv: $(STAMP) $(COMPILERS_STAMP)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(STAMP) $(COMPILERS_STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The bundled tiny Clover (clover_jax/bundled/tiny-clover, trained to sort digits) answering from the command

@@ -44,8 +44,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (TINY_FIELDS, REPO_ROOT, check, emit, machine, ratio, setup_environment,  # noqa: E402
-                               write_random_checkpoint)
+from benchmarks.common import (  # noqa: E402
+    REPO_ROOT,
+    TINY_FIELDS,
+    check,
+    emit,
+    machine,
+    ratio,
+    setup_environment,
+    write_random_checkpoint,
+)
 
 setup_environment()
 

@@ -83,7 +83,7 @@ def main() -> None:
         if args.quick:
             wanted = wanted[:1]
         started = time.perf_counter()
-        planned = clover_jax.plan(config, name, args.context_length, compile=True, formats=wanted)
+        planned = clover_jax.plan(config, name, context_length=args.context_length, compile=True, formats=wanted)
         recommendations[name] = planned.recommendation.weights if planned.recommendation else None
         print(f"compile_targets: {name}: {len(wanted)} formats in {time.perf_counter() - started:.0f} s",
               file=sys.stderr)
@@ -125,7 +125,8 @@ def main() -> None:
     for target in ("v5e-8", "H200"):
         bf16 = {r["loop"]: r["temp_bytes"] for r in by(target, "bfloat16") if not r["error"]}
         for weights in ("int8 experts", "int4 experts (g128)"):
-            quantised = [r["temp_bytes"] / bf16[r["loop"]] for r in by(target, weights) if not r["error"] and r["loop"] in bf16]
+            quantised = [r["temp_bytes"] / bf16[r["loop"]] for r in by(target, weights)
+                         if not r["error"] and r["loop"] in bf16]
             if quantised:
                 checks.append(check(f"{target} {weights}: temporaries / bf16 temporaries (worst loop)",
                                     max(quantised), TEMP_RATIO, at_least=False))

@@ -29,8 +29,17 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (TINY_FIELDS, alternate, check, emit, machine, ratio,  # noqa: E402
-                               setup_environment, timed, write_random_checkpoint)
+from benchmarks.common import (  # noqa: E402
+    TINY_FIELDS,
+    alternate,
+    check,
+    emit,
+    machine,
+    ratio,
+    setup_environment,
+    timed,
+    write_random_checkpoint,
+)
 
 setup_environment()
 
@@ -68,7 +77,8 @@ def main(argv=None) -> None:
             ids = rng.integers(2, fields["vocab_size"] - 1, (1, length)).astype(np.int32)
             state = model.init_state(1, length + args.block)
             model.extend(state, ids, logits="none")  # compile this shape
-            seconds, (_, states[length]) = timed(lambda: jax.block_until_ready(model.extend(state, ids, logits="none")))
+            seconds, (_, states[length]) = timed(lambda state=state, ids=ids: jax.block_until_ready(
+                model.extend(state, ids, logits="none")))
             prefill[length] = {"seconds": seconds, "tokens_per_s": length / seconds}
             print(f"context_scaling: prefill {length} tokens in {seconds:.2f}s", file=sys.stderr)
 
@@ -90,7 +100,8 @@ def main(argv=None) -> None:
             curve.append({"prefix": length, "denoise_step_ms": 1e3 * seconds,
                           "samples_ms": [1e3 * s for s in timings[str(length)]["samples"]],
                           "over_shortest": ratio(seconds, timings[shortest]["median"]), "prefill": prefill[length],
-                          "kv_bytes_read": cost["kv_cache_bytes"], "kv_read_gb_per_s": cost["kv_cache_bytes"] / seconds / 1e9,
+                          "kv_bytes_read": cost["kv_cache_bytes"],
+                          "kv_read_gb_per_s": cost["kv_cache_bytes"] / seconds / 1e9,
                           "cost": cost, "bound": cost_model.bound(cost, rates)})
         bound_ratio = ratio(curve[-1]["bound"]["seconds"], curve[0]["bound"]["seconds"])
         step_ratio = ratio(timings[longest]["median"], timings[shortest]["median"])

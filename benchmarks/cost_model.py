@@ -44,7 +44,7 @@ def parameter_groups(config: CloverConfig) -> dict[str, int]:
 
 
 def pass_cost(config: CloverConfig, causal: int, block: int, prefix: int, distinct_experts: float | Sequence[float],
-              logit_rows: int, batch: int = 1, weight_bytes: int = 4, kv_bytes: int | None = None) -> dict:
+              logit_rows: int, *, batch: int = 1, weight_bytes: int = 4, kv_bytes: int | None = None) -> dict:
     """Bytes and FLOPs of one pass per the module docstring.
 
     distinct_experts: distinct routed experts per MoE layer (one number for every layer, or one
@@ -53,7 +53,8 @@ def pass_cost(config: CloverConfig, causal: int, block: int, prefix: int, distin
     kv_bytes = weight_bytes if kv_bytes is None else kv_bytes
     params = parameter_groups(config)
     layers = config.num_hidden_layers
-    distinct = [float(distinct_experts)] * layers if isinstance(distinct_experts, (int, float)) else list(distinct_experts)
+    distinct = ([float(distinct_experts)] * layers if isinstance(distinct_experts, (int, float))
+                else list(distinct_experts))
     rows = batch * (causal + block)
     head = params["lm_head"] or params["embedding"]  # tied: the embedding is the head
     weight_read = weight_bytes * (params["dense"] + head + rows * config.hidden_size
@@ -62,7 +63,8 @@ def pass_cost(config: CloverConfig, causal: int, block: int, prefix: int, distin
     gdn_layers = layers - attention_layers
     kv_read = batch * attention_layers * prefix * 2 * config.num_key_value_heads * config.head_dim * kv_bytes
     state_size = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-    gdn_read = batch * gdn_layers * (4 * state_size + (config.linear_conv_kernel_dim - 1) * config.conv_dim * weight_bytes)
+    gdn_read = batch * gdn_layers * (4 * state_size
+                                     + (config.linear_conv_kernel_dim - 1) * config.conv_dim * weight_bytes)
 
     matmul = 2 * rows * params["dense"] + 2 * batch * logit_rows * head
     experts = 2 * rows * config.num_experts_per_tok * layers * params["one_expert"]

@@ -44,8 +44,18 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (REPO_ROOT, alternate, backbone_view_for_transformers, check, emit, machine,  # noqa: E402
-                               ratio, setup_environment, torch_threads, write_random_checkpoint)
+from benchmarks.common import (  # noqa: E402
+    REPO_ROOT,
+    alternate,
+    backbone_view_for_transformers,
+    check,
+    emit,
+    machine,
+    ratio,
+    setup_environment,
+    torch_threads,
+    write_random_checkpoint,
+)
 
 setup_environment()
 
@@ -92,7 +102,7 @@ def host_overhead(generate, model, prompts, config, mode: str, extra: dict, new:
     try:
         outside, per_forward = [], []
         for _ in range(rounds):
-            for prompt, sample in zip(prompts, samples):
+            for prompt, sample in zip(prompts, samples, strict=True):
                 started = time.perf_counter()
                 out = generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
                 outside.append(time.perf_counter() - started - inside[-1])
@@ -120,7 +130,7 @@ def diffusion_ceiling(diffusion: dict, autoregressive: dict, first_token: dict) 
     small F and the host time are most of a short response's time, so they bound both ratios,
     however cheap a block forward becomes."""
     ideal_seconds, ideal_per_forward, ar_seconds, ar_per_forward = 0.0, [], 0.0, []
-    for d, a, f in zip(diffusion["per_prompt"], autoregressive["per_prompt"], first_token["per_prompt"]):
+    for d, a, f in zip(diffusion["per_prompt"], autoregressive["per_prompt"], first_token["per_prompt"], strict=True):
         step = (a["inside"] - f["inside"]) / (a["nfe"] - 1) if a["nfe"] > 1 else a["inside"]
         ideal_call = f["inside"] + d["nfe"] * step
         ideal_seconds += d["outside"] + ideal_call
@@ -157,7 +167,7 @@ def task_prompts(path: str, count: int):
 
     def score(sequences):
         texts = [tokenizer.decode(seq, skip_special_tokens=False) for seq in sequences]
-        return float(np.mean([task.is_correct(problem, text) for problem, text in zip(problems, texts)]))
+        return float(np.mean([task.is_correct(problem, text) for problem, text in zip(problems, texts, strict=True)]))
 
     return prompts, score
 
@@ -254,16 +264,17 @@ def main(argv=None) -> None:
         first_token = host_overhead(generate, model, prompts, config, "autoregressive", NEUTRAL_CONTROLS, 1)
         ceiling = diffusion_ceiling(overhead["diffusion"], overhead["autoregressive"], first_token)
         ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]
-        agreement = float(np.mean([a == b for a, b in zip(ar["sequences"], tf["sequences"])]))
+        agreement = float(np.mean([a == b for a, b in zip(ar["sequences"], tf["sequences"], strict=True)]))
         speculative = timings["clover_self_speculative"]["last"]
-        lossless = float(np.mean([a == b for a, b in zip(speculative["sequences"], ar["sequences"])]))
+        lossless = float(np.mean([a == b for a, b in zip(speculative["sequences"], ar["sequences"], strict=True)]))
         speed = {name: value["tokens_per_s"] for name, value in results.items()}
         forward_cost_ratio = ratio(overhead["diffusion"]["compiled_ms_per_forward"],
                                    overhead["autoregressive"]["compiled_ms_per_forward"])
         emit({
             "benchmark": "decoding", "quick": args.quick, "checkpoint": path if path.startswith(REPO_ROOT) else
-            ("random tiny Clover (" + ", ".join(f"{k}={RANDOM_FIELDS[k]}" for k in
-                                                ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size")) + ")"),
+            ("random tiny Clover (" + ", ".join(
+                f"{k}={RANDOM_FIELDS[k]}" for k in ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size"))
+             + ")"),
             "task_scored": score is not None, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": new,
             "generation_config": {"block_size": config.block_size, "threshold": config.threshold},
             "dtype": str(model.dtype), "torch_threads": threads, "results": results,

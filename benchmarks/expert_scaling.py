@@ -103,7 +103,8 @@ def main(argv=None) -> None:
                 "denoise_bound": cost_model.bound(step_cost, rates)}
         ar_ratio = ratio(results[high]["autoregressive_tokens_per_s"], results[low]["autoregressive_tokens_per_s"])
         step_ratio = ratio(results[low]["denoise_step_ms"], results[high]["denoise_step_ms"])
-        ar_bound = ratio(results[low]["autoregressive_bound"]["seconds"], results[high]["autoregressive_bound"]["seconds"])
+        ar_bound = ratio(results[low]["autoregressive_bound"]["seconds"],
+                         results[high]["autoregressive_bound"]["seconds"])
         step_bound = ratio(results[low]["denoise_bound"]["seconds"], results[high]["denoise_bound"]["seconds"])
         checks = [
             check(f"autoregressive tokens/s, {high} / {low} experts", ar_ratio, 0.85, True, ar_bound),

@@ -35,8 +35,17 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (alternate, check, emit, machine, ratio, setup_environment, timed,  # noqa: E402
-                               torch_threads, write_random_checkpoint)
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    check,
+    emit,
+    machine,
+    ratio,
+    setup_environment,
+    timed,
+    torch_threads,
+    write_random_checkpoint,
+)
 
 setup_environment()
 
@@ -186,7 +195,8 @@ def main(argv=None) -> None:
         step_results = {}
         for name, timing in steps.items():
             limit = cost_model.bound(costs[name], rates)
-            step_results[name] = {"median_ms": 1e3 * timing["median"], "samples_ms": [1e3 * s for s in timing["samples"]],
+            step_results[name] = {"median_ms": 1e3 * timing["median"],
+                                  "samples_ms": [1e3 * s for s in timing["samples"]],
                                   "cost": costs[name], "bound": limit,
                                   "over_bound": timing["median"] / limit["seconds"]}
         denoise_over_ar = ratio(steps["denoise_step"]["median"], steps["autoregressive_step"]["median"])

@@ -42,8 +42,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import (gdn_chunk, gdn_chunk_reference, grouped_matmul, grouped_matmul_for_platform,  # noqa: E402
-                            grouped_matmul_reference)
+from pallas_kernels import (  # noqa: E402
+    gdn_chunk,
+    gdn_chunk_reference,
+    grouped_matmul,
+    grouped_matmul_for_platform,
+    grouped_matmul_reference,
+)
 
 # Dense bf16 matmul FLOP/s and HBM bytes/s, from the vendors' data sheets (H100/H200 SXM).
 PEAKS = {
@@ -97,7 +102,8 @@ def gdn_inputs(shapes, dtype, seed=0):
     rng = np.random.RandomState(seed)
     b, t, kh, vh, d = (shapes[n] for n in ("batch", "tokens", "key_heads", "value_heads", "head_dim"))
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    return (jnp.asarray(unit(rng.randn(b, t, kh, d)) * d ** -0.5, dtype), jnp.asarray(unit(rng.randn(b, t, kh, d)), dtype),
+    return (jnp.asarray(unit(rng.randn(b, t, kh, d)) * d ** -0.5, dtype),
+            jnp.asarray(unit(rng.randn(b, t, kh, d)), dtype),
             jnp.asarray(rng.randn(b, t, vh, d), dtype), jnp.asarray(-np.log1p(np.exp(rng.randn(b, t, vh))), dtype),
             jnp.asarray(1 / (1 + np.exp(-rng.randn(b, t, vh))), dtype), jnp.zeros((b, vh, d, d), jnp.float32))
 
@@ -161,7 +167,7 @@ def bench_grouped(shapes, dtype, accelerator, repeats, peak, active_experts):
         rhs_in_out = jnp.swapaxes(rhs, 1, 2)  # ragged_dot's layout, transposed once outside the timing
         group_sizes, active_groups = jnp.asarray(sizes), jnp.asarray(active)
 
-        def cost(groups):
+        def cost(groups, cols=cols, depth=depth):  # this iteration's shapes, bound
             used_rows = int(sizes[groups].sum())
             return (2 * used_rows * cols * depth,
                     (rows * depth + int((sizes[groups] > 0).sum()) * cols * depth + rows * cols) * itemsize)
@@ -170,19 +176,19 @@ def bench_grouped(shapes, dtype, accelerator, repeats, peak, active_experts):
         results = []
         if accelerator:
             results += [
-                entry("pallas grouped_matmul", lambda l, r, s: grouped_matmul(l, r, s, interpret=False),
+                entry("pallas grouped_matmul", lambda x, w, g: grouped_matmul(x, w, g, interpret=False),
                       (lhs, rhs, group_sizes), repeats, *every, peak),
                 entry(f"pallas grouped_matmul, {active_experts} active experts",
-                      lambda l, r, s, a: grouped_matmul(l, r, s, active_groups=a, interpret=False),
+                      lambda x, w, g, a: grouped_matmul(x, w, g, active_groups=a, interpret=False),
                       (lhs, rhs, group_sizes, active_groups), repeats, *coreset, peak),
                 entry(f"grouped_matmul_for_platform({platform!r}) auto",
-                      lambda l, r, s: grouped_matmul_for_platform(platform, l, r, s),
+                      lambda x, w, g: grouped_matmul_for_platform(platform, x, w, g),
                       (lhs, rhs, group_sizes), repeats, *every, peak),
             ]
         results += [
             entry("oracle grouped_matmul_reference (ragged_dot + masks)", grouped_matmul_reference,
                   (lhs, rhs, group_sizes), repeats, *every, peak),
-            entry("xla jax.lax.ragged_dot, rhs pre-transposed", lambda l, r, s: jax.lax.ragged_dot(l, r, s),
+            entry("xla jax.lax.ragged_dot, rhs pre-transposed", lambda x, w, g: jax.lax.ragged_dot(x, w, g),
                   (lhs, rhs_in_out, group_sizes), repeats, *every, peak),
         ]
         report["matmuls"][name] = {"lhs": list(lhs.shape), "rhs": list(rhs.shape), "flops_every_expert": every[0],

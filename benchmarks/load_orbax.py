@@ -40,8 +40,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # `python benchmarks/load_orbax.py` without installing the package
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.load import (GB, READ_CHUNK_BYTES, config_for_size, current_rss_bytes,  # noqa: E402
-                             read_whole_file, rss_breakdown_bytes, write_checkpoint)
+from benchmarks.load import (  # noqa: E402
+    GB,
+    READ_CHUNK_BYTES,
+    config_for_size,
+    current_rss_bytes,
+    read_whole_file,
+    rss_breakdown_bytes,
+    write_checkpoint,
+)
 
 logger = logging.getLogger("benchmarks.load_orbax")
 

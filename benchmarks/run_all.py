@@ -114,8 +114,9 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
     overhead = j.get("host_overhead_per_call")
     if overhead:
         lines += [f"Host time per one-prompt `generate` call outside the compiled loop: diffusion "
-                  f"{f(overhead['diffusion']['median_ms'])} ms, autoregressive {f(overhead['autoregressive']['median_ms'])} "
-                  f"ms (the compiled calls take {f(overhead['diffusion']['compiled_call_median_ms'])} and "
+                  f"{f(overhead['diffusion']['median_ms'])} ms, autoregressive "
+                  f"{f(overhead['autoregressive']['median_ms'])} ms (the compiled calls take "
+                  f"{f(overhead['diffusion']['compiled_call_median_ms'])} and "
                   f"{f(overhead['autoregressive']['compiled_call_median_ms'])} ms)"
                   + (f"; self-speculative {f(overhead['self_speculative']['median_ms'])} ms (compiled call "
                      f"{f(overhead['self_speculative']['compiled_call_median_ms'])} ms)"
@@ -127,7 +128,8 @@ def render_decoding(j: dict) -> tuple[list[str], list[list]]:
                   f"diffusion forward cost one autoregressive step after that, diffusion / clover AR "
                   f"tokens/s would be {f(ceiling['tokens_per_s_ratio'])} and the forward cost ratio "
                   f"{f(ceiling['forward_cost_ratio'])}.", ""]
-    summary = [["decoding", "diffusion / clover AR tokens/s", f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
+    summary = [["decoding", "diffusion / clover AR tokens/s",
+                f(ratios["diffusion_over_clover_autoregressive_tokens_per_s"])],
                ["decoding", "diffusion / transformers tokens/s", f(ratios["diffusion_over_transformers_tokens_per_s"])],
                ["decoding", "clover AR / transformers tokens/s",
                 f(ratios["clover_autoregressive_over_transformers_tokens_per_s"])],
@@ -201,8 +203,9 @@ def render_forward_cost(j: dict):
     traffic = s.get("xla_cost_analysis")
     if traffic:
         lines += [f"XLA's cost analysis (static; counts a dynamic slice of an expert as a read of the whole stacked "
-                  f"array and a loop body once): autoregressive step {f(traffic['autoregressive_step']['bytes_accessed'] / 1e9)} "
-                  f"GB, denoising step {f(traffic['denoise_step']['bytes_accessed'] / 1e9)} GB accessed.", ""]
+                  f"array and a loop body once): autoregressive step "
+                  f"{f(traffic['autoregressive_step']['bytes_accessed'] / 1e9)} GB, denoising step "
+                  f"{f(traffic['denoise_step']['bytes_accessed'] / 1e9)} GB accessed.", ""]
     summary = [["forward_cost", "clover AR / transformers tokens/s (medium random model)",
                 f(g["clover_over_transformers_tokens_per_s"])],
                ["forward_cost", "clover AR steady tokens/s / bandwidth bound", f(a["fraction_of_bound"])],

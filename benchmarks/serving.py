@@ -37,8 +37,16 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (REPO_ROOT, alternate, check, emit, machine, ratio, setup_environment,  # noqa: E402
-                               write_random_checkpoint)
+from benchmarks.common import (  # noqa: E402
+    REPO_ROOT,
+    alternate,
+    check,
+    emit,
+    machine,
+    ratio,
+    setup_environment,
+    write_random_checkpoint,
+)
 
 setup_environment()
 
@@ -119,7 +127,8 @@ def summary(runs: dict, reference: list) -> dict:
             "time_to_first_block_ms": 1e3 * float(np.median(times[:, 1] - times[:, 0])),
             "time_per_token_ms": 1e3 * float(np.median(per_token)),
             "request_latency_ms": 1e3 * float(np.median(times[:, 2] - times[:, 0])),
-            "equal_to_generate_alone": sum(a == b for a, b in zip(last["tokens"], reference)) / len(reference)}
+            "equal_to_generate_alone": sum(a == b for a, b in zip(last["tokens"], reference, strict=True))
+                                       / len(reference)}
 
 
 def batching_ceiling(engine, requests, slots: int = max(CONCURRENCY), repeats: int = 30) -> dict:
@@ -234,7 +243,8 @@ def main(argv=None) -> None:
     if not args.quick:
         workdir = tempfile.mkdtemp(prefix="clover-bench-serving-")
         try:
-            paths = write_random_checkpoint(workdir, MEDIUM, seed=0, clover=True, mask_token_id=MEDIUM["vocab_size"] - 1)
+            paths = write_random_checkpoint(workdir, MEDIUM, seed=0, clover=True,
+                                            mask_token_id=MEDIUM["vocab_size"] - 1)
             model = CloverModel.from_pretrained(paths["clover"], progress=False)
             models["medium"] = measure("medium random model", model, random_requests(
                 args.medium_requests, MEDIUM["vocab_size"], args.prompt, args.new), args.rounds)

@@ -25,12 +25,17 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "bundled_model_path"])
 
 if TYPE_CHECKING:
-    from clover_jax.api.clover_model import CloverModel
-    from clover_jax.core.config import CloverConfig, ConfigError
-    from clover_jax.core.kernels import choose_kernels
-    from clover_jax.api.plan import plan
-    from clover_jax.core.quantization import QuantSpec
-    from clover_jax.parallel.sharding import MeshSharding, ShardingRules, make_mesh
+    # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
+    from clover_jax.api.clover_model import CloverModel as CloverModel
+    from clover_jax.api.plan import plan as plan
+    from clover_jax.core.config import CloverConfig as CloverConfig, ConfigError as ConfigError
+    from clover_jax.core.kernels import choose_kernels as choose_kernels
+    from clover_jax.core.quantization import QuantSpec as QuantSpec
+    from clover_jax.parallel.sharding import (
+        MeshSharding as MeshSharding,
+        ShardingRules as ShardingRules,
+        make_mesh as make_mesh,
+    )
 
 
 def bundled_model_path() -> Path:

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
+from clover_jax.core.passes import ModelPasses
 from decoding.controls import Controls, TokenIds, choose, process_batch
 
 
@@ -48,9 +48,10 @@ def next_tokens(logits: jax.Array, counts: jax.Array, index: jax.Array, prompt_t
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
-def run_autoregressive(passes: ModelPasses, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array,
-                       start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array,
-                       controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
+def run_autoregressive(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persistent_jit pass arguments by position)
+        passes: ModelPasses, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array, start: jax.Array,
+        max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array, controls: Controls,
+        ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
     """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches.
 
     passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with;
@@ -75,7 +76,8 @@ def run_autoregressive(passes: ModelPasses, params: Any, spec: AutoregressiveSpe
         sequence_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))  # sequence i: fold_in(key, i)
         token = next_tokens(state.logits, state.counts, jnp.broadcast_to(index, (batch,)), prompt_thinking,
                             sequence_keys, controls, ids,
-                            lambda rows, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(rows, keys))
+                            lambda rows, keys: jax.vmap(
+                                lambda logits, k: choose(logits, controls, spec.do_sample, k))(rows, keys))
         live = ~state.finished
         lengths = state.lengths + live
         finished = state.finished | (live & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)

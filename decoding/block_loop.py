@@ -29,8 +29,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
+from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process_batch
 from decoding.schedules import StepView, as_decision
@@ -276,7 +276,8 @@ def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.A
         key=jax.vmap(lambda i: jax.random.fold_in(request.key, i))(jnp.arange(batch)))
     rules = StepRules(
         controls=controls, ids=d.ids, steps_cap=spec.steps_cap,
-        choose=lambda processed, keys: jax.vmap(lambda l, k: choose(l, controls, spec.do_sample, k))(processed, keys),
+        choose=lambda processed, keys: jax.vmap(
+            lambda logits, k: choose(logits, controls, spec.do_sample, k))(processed, keys),
         schedule=lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(0, None))(view, request.schedule_params)))
     progress, details = denoising_step(progress, facts, logits, rules)
     return _record_step(spec, state, progress, details, distinct)

@@ -24,8 +24,17 @@ from clover_jax.core import compilation_cache
 from clover_jax.core.passes import ModelPasses
 from decoding.block_loop import History, next_block, next_step, results, start_blocks, start_steps
 from decoding.generation_config import GenerationConfig
-from decoding.layouts import (MODES, autoregressive_call, bucket, controls_of, coreset_of, diffusion_call,
-                              prompt_thinking, self_speculative_call, token_ids_of)
+from decoding.layouts import (
+    MODES,
+    autoregressive_call,
+    bucket,
+    controls_of,
+    coreset_of,
+    diffusion_call,
+    prompt_thinking,
+    self_speculative_call,
+    token_ids_of,
+)
 from decoding.streaming import BlockListener, BlockReporter
 
 logger = logging.getLogger(__name__)
@@ -74,7 +83,7 @@ __all__ = ["DecodingModel", "GenerateOutput", "MODES", "bucket", "generate"]
 
 
 def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_config: GenerationConfig | None = None,
-             key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
+             *, key: jax.Array | None = None, mode: str = "diffusion", return_trajectory: bool = False,
              return_history: bool = False, on_block: BlockListener | None = None, streamer: Any = None,
              on_step: Callable[[dict], None] | None = None, progress: bool = False,
              **overrides: Any) -> GenerateOutput:
@@ -111,7 +120,8 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_
     if config.do_sample and mode == "self_speculative":
         raise ValueError("self-speculative decoding is greedy: do_sample=True is not supported in this mode "
                          "(sample with mode='autoregressive' or 'diffusion')")
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+    if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                     and callable(getattr(streamer, "end", None))):
         raise ValueError(f"streamer must have put(ids) and end() methods, got {type(streamer).__name__}")
     if config.do_sample and key is None:
         raise ValueError("do_sample=True needs a PRNG key: generate(..., key=jax.random.key(seed))")
@@ -126,8 +136,9 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_
     else:
         bar = tqdm(total=len(prompts) * config.max_new_tokens, unit="tok", desc="decoding") if progress else None
         try:
-            output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory,
-                                         return_history, on_block, streamer, on_step, bar)
+            output = _generate_diffusion(model, prompts, config, keys, controls, ids, thinking,
+                                         return_trajectory=return_trajectory, return_history=return_history,
+                                         on_block=on_block, streamer=streamer, on_step=on_step, bar=bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -136,7 +147,8 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_
 
 
 # ---------------------------------------------------------------------- validation
-def resolve_config(model: DecodingModel, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+def resolve_config(model: DecodingModel, generation_config: GenerationConfig | None,
+                   overrides: dict) -> GenerationConfig:
     config = model_defaults(model) if generation_config is None else _completed(model, generation_config)
     if overrides:
         config = config.replace(**overrides)
@@ -211,10 +223,12 @@ def check_prompts(model: DecodingModel, prompts, config: GenerationConfig, mode:
 
 
 # ---------------------------------------------------------------------- diffusion
-def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, return_trajectory, return_history,
+def _generate_diffusion(model, prompts, config, keys, controls, ids, thinking, *, return_trajectory, return_history,
                         on_block, streamer, on_step, bar) -> GenerateOutput:
-    call = diffusion_call(model.passes, model.run_params, prompts, config, model.chunk_size,
-                          *coreset_of(config, model.config), keys, thinking, controls, ids, history=return_history)
+    coreset, coreset_top_p = coreset_of(config, model.config)
+    call = diffusion_call(model.passes, model.run_params, prompts, config, model.chunk_size, coreset=coreset,
+                          coreset_top_p=coreset_top_p, key=keys, thinking=thinking, controls=controls, ids=ids,
+                          history=return_history)
     model.check_memory(len(prompts), call.capacity, call.block)
     reporter = None
     if on_block is not None or streamer is not None or bar is not None:
@@ -267,7 +281,7 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
     output = GenerateOutput([], [], [], [], [], 0.0, [] if return_trajectory else None)
     for i in range(len(tails)):
         closed = int(np.sum(final.steps_per_block[i] > 0))
-        flat = lambda array: np.asarray(array[i, :closed]).reshape(-1)[tails[i]:tails[i] + new]
+        flat = lambda array, i=i, closed=closed: np.asarray(array[i, :closed]).reshape(-1)[tails[i]:tails[i] + new]
         response = flat(final.tokens).tolist()
         cut = next((n + 1 for n, token in enumerate(response) if token in eos), len(response))
         steps = final.steps_per_block[i, :closed]
@@ -276,7 +290,7 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
         output.steps_per_block.append([int(s) for s in steps])
         output.tokens_per_forward.append(cut / max(int(final.nfe[i]), 1))
         output.distinct_experts_per_block.append(
-            [float(d) / int(s) for d, s in zip(final.distinct_experts[i, :closed], steps)])
+            [float(d) / int(s) for d, s in zip(final.distinct_experts[i, :closed], steps, strict=True)])
         if return_trajectory:
             output.trajectory.append({"step": flat(final.fill_step)[:cut].tolist(),
                                       "confidence": flat(final.fill_confidence)[:cut].tolist()})
@@ -289,8 +303,8 @@ def _diffusion_output(final, tails, new: int, config, return_trajectory: bool) -
 
 # ---------------------------------------------------------------------- autoregressive
 def _generate_autoregressive(model, prompts, config, key, controls, ids, thinking) -> GenerateOutput:
-    call = autoregressive_call(model.passes, model.run_params, prompts, config, model.chunk_size, key, thinking,
-                               controls, ids)
+    call = autoregressive_call(model.passes, model.run_params, prompts, config, model.chunk_size, key=key,
+                               thinking=thinking, controls=controls, ids=ids)
     model.check_memory(len(prompts), call.capacity, call.block)
     tokens, generated, nfe = jax.device_get(call.run())
     output = GenerateOutput([], [], [], [], [], 0.0, None)
@@ -308,8 +322,10 @@ def _generate_autoregressive(model, prompts, config, key, controls, ids, thinkin
 def _generate_self_speculative(model, prompts, config, controls, ids, thinking,
                                return_trajectory: bool) -> GenerateOutput:
     """Prompts left-padded as for autoregressive decoding; rounds of `decoding.speculative`."""
-    call = self_speculative_call(model.passes, model.run_params, prompts, config, model.chunk_size,
-                                 *coreset_of(config, model.config), thinking, controls, ids, return_trajectory)
+    coreset, coreset_top_p = coreset_of(config, model.config)
+    call = self_speculative_call(model.passes, model.run_params, prompts, config, model.chunk_size, coreset=coreset,
+                                 coreset_top_p=coreset_top_p, thinking=thinking, controls=controls, ids=ids,
+                                 trajectory=return_trajectory)
     model.check_memory(len(prompts), call.capacity, call.block)
     final = jax.device_get(call.run())
     lengths = call.lengths

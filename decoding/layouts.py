@@ -104,7 +104,7 @@ class LoopCall:
 
 
 def diffusion_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                   chunk_size: int, coreset: bool, coreset_top_p: float, key: jax.Array, thinking: np.ndarray,
+                   chunk_size: int, *, coreset: bool, coreset_top_p: float, key: jax.Array, thinking: np.ndarray,
                    controls: Controls, ids: TokenIds, history: bool = False) -> LoopCall:
     """The block-diffusion loop (`decoding.block_loop`) over `prompts` (checked token-id lists)."""
     size, new = config.block_size, config.max_new_tokens
@@ -153,7 +153,7 @@ def _left_padded(prompts: Sequence[Sequence[int]], chunk_size: int) -> tuple[np.
 
 
 def autoregressive_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[int]],
-                        config: GenerationConfig, chunk_size: int, key: jax.Array, thinking: np.ndarray,
+                        config: GenerationConfig, chunk_size: int, *, key: jax.Array, thinking: np.ndarray,
                         controls: Controls, ids: TokenIds) -> LoopCall:
     """The autoregressive loop (`decoding.autoregressive`) over `prompts`."""
     prompt_ids, start, lengths = _left_padded(prompts, chunk_size)
@@ -166,7 +166,7 @@ def autoregressive_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequ
 
 
 def self_speculative_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[int]],
-                          config: GenerationConfig, chunk_size: int, coreset: bool, coreset_top_p: float,
+                          config: GenerationConfig, chunk_size: int, *, coreset: bool, coreset_top_p: float,
                           thinking: np.ndarray, controls: Controls, ids: TokenIds,
                           trajectory: bool = False) -> LoopCall:
     """The self-speculative loop (`decoding.speculative`) over `prompts`."""
@@ -193,14 +193,14 @@ def placeholder_calls(passes: ModelPasses, params: Any, config: GenerationConfig
     calls = {}
     for mode in modes:
         if mode == "diffusion":
-            calls[mode] = diffusion_call(passes, params, prompts, config, chunk_size, coreset, top_p, key, thinking,
-                                         controls, ids)
+            calls[mode] = diffusion_call(passes, params, prompts, config, chunk_size, coreset=coreset,
+                                         coreset_top_p=top_p, key=key, thinking=thinking, controls=controls, ids=ids)
         elif mode == "autoregressive":
-            calls[mode] = autoregressive_call(passes, params, prompts, config, chunk_size, key, thinking, controls,
-                                              ids)
+            calls[mode] = autoregressive_call(passes, params, prompts, config, chunk_size, key=key, thinking=thinking,
+                                              controls=controls, ids=ids)
         elif mode == "self_speculative":
-            calls[mode] = self_speculative_call(passes, params, prompts, config, chunk_size, coreset, top_p,
-                                                thinking, controls, ids)
+            calls[mode] = self_speculative_call(passes, params, prompts, config, chunk_size, coreset=coreset,
+                                                coreset_top_p=top_p, thinking=thinking, controls=controls, ids=ids)
         else:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
     return calls

@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from decoding import schedules as schedule_registry
-from decoding.schedules.switch import ScheduleSwitch  # noqa: F401  (research.ScheduleSwitch, its first home)
 from decoding.generation import generate
 from decoding.generation_config import GenerationConfig
+from decoding.schedules.switch import ScheduleSwitch  # noqa: F401  (research.ScheduleSwitch, its first home)
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,12 @@ def aup(tpf: Sequence[float], accuracy: Sequence[float], y_max: float, alpha: fl
         raise ValueError("aup needs finite accuracies and finite tokens per forward >= 0")
     if not (isinstance(y_max, (int, float)) and math.isfinite(y_max) and y_max > 0):
         raise ValueError(f"aup needs y_max > 0 (the best accuracy in %), got {y_max!r}")
-    points = sorted(zip(rho, y), key=lambda point: point[0])
+    points = sorted(zip(rho, y, strict=True), key=lambda point: point[0])
     first = points[0][1]
     points = [point for point in points if point[1] >= first - offset]
     weighted = lambda accuracy_: accuracy_ * min(math.exp(-alpha * (1.0 - accuracy_ / y_max)), 1.0)
     area = points[0][0] * points[0][1]
-    for (rho_before, y_before), (rho_here, y_here) in zip(points, points[1:]):
+    for (rho_before, y_before), (rho_here, y_here) in zip(points, points[1:], strict=False):
         area += 0.5 * (rho_here - rho_before) * (weighted(y_here) + weighted(y_before))
     return area
 
@@ -159,8 +159,9 @@ class SweepRecord:
 
 
 def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int] | None = None,
-          task: "Task | str | os.PathLike" = "sort", *, tokenizer=None, generation_config: GenerationConfig | None = None,
-          batch_size: int | None = None, output: "str | os.PathLike | Sequence[str | os.PathLike] | None" = None,
+          task: "Task | str | os.PathLike" = "sort", *, tokenizer=None,
+          generation_config: GenerationConfig | None = None, batch_size: int | None = None,
+          output: "str | os.PathLike | Sequence[str | os.PathLike] | None" = None,
           warmup: bool = True, share_compilation: bool = True, progress: bool = True,
           **overrides: Any) -> list[SweepRecord]:
     """Decode `task` under every schedule × parameter setting × block size; one record per cell.
@@ -274,7 +275,7 @@ def _schedule_grids(schedules: Any) -> list[tuple[str, Any, list[dict]]]:
         elif isinstance(grid, Mapping):
             names = list(grid)
             values = [list(v) if isinstance(v, (list, tuple, range)) else [v] for v in grid.values()]
-            cells = [dict(zip(names, combination)) for combination in itertools.product(*values)]
+            cells = [dict(zip(names, combination, strict=True)) for combination in itertools.product(*values)]
         elif isinstance(grid, Sequence) and all(isinstance(cell, Mapping) for cell in grid):
             cells = [dict(cell) for cell in grid]
         else:

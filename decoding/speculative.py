@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clover_jax.core.passes import ModelPasses
 from clover_jax.core.executable_cache import persistent_jit
+from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.controls import Controls, TokenIds, choose, process_batch
 
@@ -134,7 +134,7 @@ class RoundOutcome(NamedTuple):
 
 
 def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
-                      controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, max_new_tokens: jax.Array,
+                      controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, *, max_new_tokens: jax.Array,
                       model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
                       active: jax.Array, distinct_experts: bool = False) -> RoundOutcome:
     """Draft, verify, accept and roll back (the module docstring's steps 1–4) for every sequence at
@@ -175,9 +175,10 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
-def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array,
-                         start: jax.Array, max_new_tokens: jax.Array, prompt_thinking: jax.Array,
-                         coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
+def run_self_speculative(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persistent_jit pass arguments by position)
+        passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array, start: jax.Array,
+        max_new_tokens: jax.Array, prompt_thinking: jax.Array, coreset_top_p: jax.Array, controls: Controls,
+        ids: TokenIds) -> SpeculativeResults:
     """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
 
     prompt_ids: int32 [b, prompt_length], left padded (`start` [b]: first real row);
@@ -203,7 +204,8 @@ def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec
     def one_round(s: SpeculativeState) -> SpeculativeState:
         active = ~s.finished
         out = speculative_round(passes, params, size, spec.coreset, coreset_top_p, controls, ids, prompt_thinking,
-                                max_new_tokens, s.model, s.pending, s.counts, s.lengths, active)
+                                max_new_tokens=max_new_tokens, model=s.model, pending=s.pending, counts=s.counts,
+                                lengths=s.lengths, active=active)
         offsets = jnp.arange(size + 1)
         written = offsets[None, :] < out.emitted[:, None]                                 # [b, B+1]
         columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped

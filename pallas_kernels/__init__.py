@@ -38,12 +38,18 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from pallas_kernels.gdn_chunk import CHUNK_SIZE, gdn_chunk
-    from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference
-    from pallas_kernels.grouped_matmul import GPU_TILES, TPU_TILES, Tiles, grouped_matmul
-    from pallas_kernels.grouped_matmul_platform import grouped_matmul_for_platform
-    from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
-    from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
+    # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
+    from pallas_kernels.gdn_chunk import CHUNK_SIZE as CHUNK_SIZE, gdn_chunk as gdn_chunk
+    from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference as gdn_chunk_reference
+    from pallas_kernels.grouped_matmul import (
+        GPU_TILES as GPU_TILES,
+        TPU_TILES as TPU_TILES,
+        Tiles as Tiles,
+        grouped_matmul as grouped_matmul,
+    )
+    from pallas_kernels.grouped_matmul_platform import grouped_matmul_for_platform as grouped_matmul_for_platform
+    from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference as grouped_matmul_reference
+    from pallas_kernels.grouped_matmul_schedule import WorkTiles as WorkTiles, work_tiles as work_tiles
 
 
 class _Package(types.ModuleType):

@@ -22,8 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
 from pallas_kernels.gdn_chunk_step import gdn_chunk_step
 from pallas_kernels.platforms import Variant, per_platform
@@ -180,7 +179,8 @@ def gdn_chunk(
     padded = tokens + (-tokens) % chunk_size
     pad_tokens = lambda x: jnp.pad(x, [(0, 0), (0, padded - tokens)] + [(0, 0)] * (x.ndim - 2))
     flat_heads = lambda x: pad_tokens(x).reshape(batch, padded, -1)  # [b, t, heads * dim], no copy
-    per_head_rows = lambda x: pad_tokens(x.astype(_F32)).reshape(batch, -1, chunk_size, value_heads).transpose(0, 3, 1, 2)
+    per_head_rows = lambda x: (pad_tokens(x.astype(_F32)).reshape(batch, -1, chunk_size, value_heads)
+                               .transpose(0, 3, 1, 2))
 
     def build(chosen_variant, chosen_interpret):
         block = value_block or _default_value_block(value_dim, chosen_variant)

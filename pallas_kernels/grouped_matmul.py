@@ -33,8 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
 from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
 from pallas_kernels.platforms import Variant, per_platform

@@ -25,6 +25,7 @@ from pallas_kernels.grouped_matmul import fit_tile, grouped_matmul
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
 from pallas_kernels.platforms import GroupedKernel, grouped_matmul_kernel, platform_name
 
+
 def _rows_past_total_to_zero(out: jax.Array, group_sizes: jax.Array) -> jax.Array:
     keep = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))

@@ -48,7 +48,8 @@ def platform_name(platform: str) -> str:
 GroupedKernel = Literal["auto", "pallas", "megablox", "mosaic_gpu", "xla"]
 
 
-def grouped_matmul_kernel(platform: str, kernel: GroupedKernel, has_active_groups: bool, quantized: bool = False) -> str:
+def grouped_matmul_kernel(platform: str, kernel: GroupedKernel, has_active_groups: bool,
+                          quantized: bool = False) -> str:
     """The grouped matmul `kernel="auto"` means on `platform`: `jax.lax.ragged_dot` on CPU (Pallas
     only interprets there); on TPU megablox `gmm`, JAX's tuned kernel, except for a listed subset
     of groups (it has no such form) or quantised weights (it takes float weights only); our

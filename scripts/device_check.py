@@ -23,6 +23,7 @@ The device is named in the output. Nothing is written unless --out / --markdown 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -104,22 +105,22 @@ def check_grouped_matmuls(shapes: dict, platform: str, interpret: bool, repeats:
         rhs = jnp.asarray(rng.standard_normal((experts, cols, depth)) / depth ** 0.5, jnp.bfloat16)
         reference = jax.jit(grouped_matmul_reference)
         cases = {
-            "grouped_matmul": (jax.jit(lambda l, r, g: grouped_matmul(l, r, g, interpret=interpret)), None),
-            "grouped_matmul (coreset)": (jax.jit(lambda l, r, g: grouped_matmul(l, r, g, active_groups=active,
+            "grouped_matmul": (jax.jit(lambda x, w, g: grouped_matmul(x, w, g, interpret=interpret)), None),
+            "grouped_matmul (coreset)": (jax.jit(lambda x, w, g: grouped_matmul(x, w, g, active_groups=active,
                                                                                  interpret=interpret)), active),
         }
         if platform != "cpu":
             cases["grouped_matmul_for_platform"] = (
-                jax.jit(lambda l, r, g: grouped_matmul_for_platform(platform, l, r, g)), None)
+                jax.jit(lambda x, w, g: grouped_matmul_for_platform(platform, x, w, g)), None)
         for kernel_name, (kernel, groups) in cases.items():
-            expected = jax.jit(lambda l, r, g: grouped_matmul_reference(l, r, g, active_groups=groups))(lhs, rhs,
-                                                                                                     group_sizes)
+            expected = jax.jit(functools.partial(grouped_matmul_reference, active_groups=groups))(lhs, rhs,
+                                                                                                  group_sizes)
             error = relative_error(kernel(lhs, rhs, group_sizes), expected)
             result = {"kernel": f"{kernel_name} {name}", "shape": f"{rows} rows, {experts} x [{cols}, {depth}]",
                       "relative_error": error, "passed": error < 2e-2}
             if not interpret:
-                result.update(kernel_ms=1e3 * timed(lambda: kernel(lhs, rhs, group_sizes), repeats),
-                              ragged_dot_ms=1e3 * timed(lambda: reference(lhs, rhs, group_sizes), repeats))
+                result.update(kernel_ms=1e3 * timed(functools.partial(kernel, lhs, rhs, group_sizes), repeats),
+                              ragged_dot_ms=1e3 * timed(functools.partial(reference, lhs, rhs, group_sizes), repeats))
             results.append(result)
     return results
 

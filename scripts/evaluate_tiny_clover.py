@@ -65,7 +65,7 @@ def self_speculative_rounds(model, prompts: list[list[int]], autoregressive: lis
     accepted = [a for t in out.trajectory for a in t["accepted"]]
     emitted = [e for t in out.trajectory for e in t["emitted"]]
     return {
-        "equals_autoregressive": float(np.mean([a == b for a, b in zip(out.sequences, autoregressive)])),
+        "equals_autoregressive": float(np.mean([a == b for a, b in zip(out.sequences, autoregressive, strict=True)])),
         "mean_rounds": float(np.mean(rounds)),
         "mean_drafts_accepted_per_round": float(np.mean(accepted)),
         "mean_tokens_emitted_per_round": float(np.mean(emitted)),

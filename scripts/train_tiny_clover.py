@@ -1,7 +1,7 @@
 """Train a bundled tiny model (digit sorting) from its seeds and write it as a HF checkpoint.
 
-    python scripts/train_tiny_clover.py                   # the tiny Clover -> clover_jax/bundled/tiny-clover/
-    python scripts/train_tiny_clover.py --base            # the autoregressive base -> clover_jax/bundled/tiny-qwen-base/
+    python scripts/train_tiny_clover.py            # the tiny Clover -> clover_jax/bundled/tiny-clover/
+    python scripts/train_tiny_clover.py --base     # the autoregressive base -> clover_jax/bundled/tiny-qwen-base/
     python scripts/train_tiny_clover.py --out /tmp/tiny --steps 200 --checkpoint-dir /tmp/tiny-ckpt
 
 The recipes (model size, data, block sizes, decoding controls) are `clover_jax.training.recipe`;
@@ -22,8 +22,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clover_jax.training.recipe import (  # noqa: E402
-    BASE_DIR, BASE_RECIPE, BUNDLED_DIR, Recipe, train_tiny_base, train_tiny_clover)
+from clover_jax.training.recipe import BASE_DIR, BASE_RECIPE, BUNDLED_DIR, Recipe, train_tiny_base, train_tiny_clover  # noqa: E402
 
 
 def main(argv=None) -> int:

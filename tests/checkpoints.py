@@ -140,7 +140,8 @@ def add_clover_tensors(source: str, target: str, mask_token_id: int, seed: int =
         if layer_type != "linear_attention":
             continue
         prefix = f"model.layers.{layer}.linear_attn"
-        tensors[f"{prefix}.conv1d_right.weight"] = (0.3 * rng.randn(conv_dim, 1, config["linear_conv_kernel_dim"])).astype(np.float32)
+        tensors[f"{prefix}.conv1d_right.weight"] = (
+            0.3 * rng.randn(conv_dim, 1, config["linear_conv_kernel_dim"])).astype(np.float32)
         tensors[f"{prefix}.block_logit_scale"] = (math.log(math.sqrt(config["linear_key_head_dim"]))
                                                   + 0.3 * rng.randn(heads)).astype(np.float32)
         tensors[f"{prefix}.memory_logit_bias"] = rng.randn(heads).astype(np.float32)

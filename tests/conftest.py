@@ -50,7 +50,8 @@ def free_compiled_programs():
 LONGEST_FIRST = (
     "tests/clover_jax/parallel/test_compile_targets.py", "tests/clover_jax/parallel/test_sharding.py",
     "tests/decoding/test_generate.py", "tests/clover_jax/nn/test_long_context.py", "tests/decoding/test_schedules.py",
-    "tests/decoding/test_engine.py", "tests/clover_jax/api/serving/test_server.py", "tests/pallas_kernels/test_compile.py",
+    "tests/decoding/test_engine.py", "tests/clover_jax/api/serving/test_server.py",
+    "tests/pallas_kernels/test_compile.py",
     "tests/training/test_objective.py", "tests/clover_jax/nn/test_rollback.py", "tests/test_notebooks.py",
     "tests/decoding/test_speculative.py", "tests/training/test_next_token.py",
 )
@@ -67,7 +68,13 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 from tests.checkpoints import (  # noqa: E402
-    QWEN36_LIKE, TIED_ONE_TO_ONE, TWO_LAYERS, add_clover_tensors, rewrite_fused_multimodal, write_hf_checkpoint)
+    QWEN36_LIKE,
+    TIED_ONE_TO_ONE,
+    TWO_LAYERS,
+    add_clover_tensors,
+    rewrite_fused_multimodal,
+    write_hf_checkpoint,
+)
 
 MASK_ID = QWEN36_LIKE["vocab_size"] - 1
 

@@ -114,12 +114,12 @@ class NaiveClover:
                 self.min_margin = min(self.min_margin, abs(kept - coreset_top_p * total),
                                       abs(before_last - coreset_top_p * total))
         outputs, used = [], set()
-        for x, p in zip(rows, probabilities):
+        for x, p in zip(rows, probabilities, strict=True):
             chosen = self.top_k(p, k, allowed)
             weights = np.array([p[e] for e in chosen])
             weights = weights / weights.sum()
             used.update(chosen)
-            routed = sum(w * self.expert(mlp, e, x) for w, e in zip(weights, chosen))
+            routed = sum(w * self.expert(mlp, e, x) for w, e in zip(weights, chosen, strict=True))
             outputs.append(routed + self.shared(mlp, x))
         return outputs, len(used)
 
@@ -146,7 +146,8 @@ class NaiveClover:
         for layer_type in c.layer_types:
             if layer_type == "linear_attention":
                 state.append({"rows": [np.zeros(c.conv_dim)] * (c.linear_conv_kernel_dim - 1),
-                              "S": np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))})
+                              "S": np.zeros((c.linear_num_value_heads, c.linear_key_head_dim,
+                                             c.linear_value_head_dim))})
             else:
                 state.append({"keys": [], "values": []})
         return state
@@ -203,11 +204,11 @@ class NaiveClover:
         c = self.c
         group = c.num_attention_heads // c.num_key_value_heads
         heads = []
-        for i, (q, gate) in enumerate(zip(queries, gates)):
+        for i, (q, gate) in enumerate(zip(queries, gates, strict=True)):
             j = i // group
             scores = np.array([q @ key[j] for key in keys]) / math.sqrt(c.head_dim)
             weights = softmax(scores)
-            heads.append(sum(w * value[j] for w, value in zip(weights, values)) * sigmoid(gate))
+            heads.append(sum(w * value[j] for w, value in zip(weights, values, strict=True)) * sigmoid(gate))
         return attn["o_proj"]["weight"] @ np.concatenate(heads)
 
     # ---------------------------------------------------------------- block mode (§3)
@@ -222,7 +223,6 @@ class NaiveClover:
 
         Returns (logits, distinct experts per layer)."""
         c = self.c
-        size = len(block)
         xs = [self.p["embed_tokens"]["embedding"][t].copy() for t in block]
         distinct = []
         for index, layer_type in enumerate(c.layer_types):
@@ -236,11 +236,11 @@ class NaiveClover:
                 keys = st["keys"] + [p[2] for p in projected]
                 values = st["values"] + [p[3] for p in projected]
                 outs = [self.attend(attn, p[0], p[1], keys, values) for p in projected]
-            xs = [x + o for x, o in zip(xs, outs)]
+            xs = [x + o for x, o in zip(xs, outs, strict=True)]
             normed = [self.norm(x, lp["post_attention_layernorm"]["weight"]) for x in xs]
             outputs, used = self.moe(lp["mlp"], normed, coreset_top_p)
             distinct.append(used)
-            xs = [x + o for x, o in zip(xs, outputs)]
+            xs = [x + o for x, o in zip(xs, outputs, strict=True)]
         logits = np.stack([self.head() @ self.norm(x, self.p["norm"]["weight"]) for x in xs])
         return logits, distinct
 
@@ -273,8 +273,8 @@ class NaiveClover:
                 mu = la["memory_logit_bias"][h] + la["block_size_calibration"][h] * math.log(size)
                 peak = max(mu, max(logits))
                 numerator = math.exp(mu - peak) * memory + sum(
-                    math.exp(l - peak) * vs[j][h] for j, l in enumerate(logits))
-                denominator = math.exp(mu - peak) + sum(math.exp(l - peak) for l in logits)
+                    math.exp(logit - peak) * vs[j][h] for j, logit in enumerate(logits))
+                denominator = math.exp(mu - peak) + sum(math.exp(logit - peak) for logit in logits)
                 o[h] = numerator / denominator
             outs.append(self.gated_norm(la, o, z))
         return outs

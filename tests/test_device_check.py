@@ -23,6 +23,7 @@ def test_device_check_runs_and_every_kernel_equals_its_oracle(tmp_path):
     assert result["all_passed"] and result["small"]
     kernels = {row["kernel"] for row in result["kernels"]}
     assert {"gdn_chunk", "grouped_matmul gate_up", "grouped_matmul (coreset) down"} <= kernels
-    assert all(row["relative_error"] < 1e-4 for row in result["kernels"])  # the same bfloat16 inputs, float32 accumulation
+    # the same bfloat16 inputs, float32 accumulation
+    assert all(row["relative_error"] < 1e-4 for row in result["kernels"])
     assert result["decoding"]["autoregressive_tokens_per_s"] > 0 and result["decoding"]["layers"] == 4
     assert "Device check on" in report.read_text()

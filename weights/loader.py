@@ -22,8 +22,7 @@ from tqdm.auto import tqdm
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
-from clover_jax.core.quantization import QuantSpec, place
-from clover_jax.core.quantization import quantize as quantize_weight
+from clover_jax.core.quantization import QuantSpec, place, quantize as quantize_weight
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError, CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
 from weights.name_table import Placement, Source, canonical_sources, expected_placements, normalise_prefix
@@ -46,6 +45,7 @@ class LoadReport:
 def load_params(
     directory: str | os.PathLike,
     config: CloverConfig,
+    *,
     dtype: Any = None,
     name_map: dict[str, str] | None = None,
     sharding_for: ShardingFor | None = None,

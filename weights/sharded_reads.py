@@ -12,8 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
-from clover_jax.core.quantization import quantize as quantize_weight
+from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantize as quantize_weight, quantized_shardings
 from weights.checkpoint_files import CheckpointFiles, aligned_empty
 from weights.finite_check import describe_source, require_finite
 from weights.name_table import SQUEEZE_CHANNEL, Placement, Source
@@ -31,7 +30,7 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
     reads: dict[tuple, np.ndarray] = {}
 
     def read_slice(index: tuple) -> np.ndarray:
-        ranges = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
+        ranges = tuple(item.indices(size)[:2] for item, size in zip(index, shape, strict=True))
         if ranges not in reads:
             reads[ranges] = _read_region(files, ranges, dtype, parts, check_finite)
         return reads[ranges]
@@ -47,7 +46,7 @@ def read_sharded(files: CheckpointFiles, shape: tuple[int, ...], dtype: np.dtype
 
     def quantized_slice(index: tuple) -> QuantizedWeight:
         index = index[:-1] + (slice(0, shape[-1]),)  # the float slice behind a values slice
-        key = tuple(item.indices(size)[:2] for item, size in zip(index, shape))
+        key = tuple(item.indices(size)[:2] for item, size in zip(index, shape, strict=True))
         if key not in quantized:
             region = read_slice(index)
             float_bytes.append(region.nbytes)
@@ -71,19 +70,20 @@ def _read_region(files: CheckpointFiles, ranges: tuple[tuple[int, int], ...], dt
     out = aligned_empty(tuple(stop - start for start, stop in ranges), dtype)
     for placement, source in parts:
         lead = [item for item in placement.index if isinstance(item, int)]
-        if not all(start <= i < stop for i, (start, stop) in zip(lead, ranges)):
+        if not all(start <= i < stop for i, (start, stop) in zip(lead, ranges, strict=False)):
             continue
-        extent = placement.shape if placement.transform != SQUEEZE_CHANNEL else placement.shape[:1] + placement.shape[2:]
+        extent = (placement.shape if placement.transform != SQUEEZE_CHANNEL
+                  else placement.shape[:1] + placement.shape[2:])
         offset = placement.index[len(lead)].start if len(placement.index) > len(lead) else 0
         # The region the placement fills, in parameter coordinates, intersected with `ranges`.
         region = [(offset if axis == 0 else 0, (offset if axis == 0 else 0) + size) for axis, size in enumerate(extent)]
         wanted = ranges[len(lead):]
-        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, wanted)]
+        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, wanted, strict=True)]
         if any(low >= high for low, high in overlap):
             continue
-        destination = tuple(i - start for i, (start, _) in zip(lead, ranges)) + tuple(
-            slice(low - start, high - start) for (low, high), (start, _) in zip(overlap, wanted))
-        within = [slice(low - first, high - first) for (low, high), (first, _) in zip(overlap, region)]
+        destination = tuple(i - start for i, (start, _) in zip(lead, ranges, strict=False)) + tuple(
+            slice(low - start, high - start) for (low, high), (start, _) in zip(overlap, wanted, strict=True))
+        within = [slice(low - first, high - first) for (low, high), (first, _) in zip(overlap, region, strict=True)]
         if source is None:
             out[destination] = placement.default
             continue

@@ -1,8 +1,8 @@
 """Write a parameter pytree as a Hugging Face layout checkpoint: the loader's table, inverted.
 
 `save_params` walks `weights.name_table.expected_placements(config)` — the placements the loader
-reads, derived from the parameter table `clover_jax.core.params` — and writes each canonical tensor `params[path][index]` under its
-canonical name: the text-only `model.` prefix, routed experts one per expert
+reads, derived from the parameter table `clover_jax.core.params` — and writes each canonical
+tensor `params[path][index]` under its canonical name: the text-only `model.` prefix, routed experts one per expert
 (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, as `save_pretrained` writes them), the
 conv weights with their `[channels, 1, kernel]` shape, and for `clover_moe` configs the Clover
 block-mode tensors of docs/design.md §2 (base Qwen configs get none, and refuse block-mode parameters
@@ -93,8 +93,8 @@ def checkpoint_tensors(params: dict, config: CloverConfig, dtype: Any = None) ->
         tensor = host[placement.path][placement.index]
         if placement.default is not None and not clover:  # a Clover block-mode tensor in a base Qwen config
             if np.any(tensor != np.asarray(placement.default, tensor.dtype)):
-                raise ValueError(f"{name} differs from its default (docs/design.md §2), but a {config.model_type} checkpoint "
-                                 "has no Clover block-mode tensors; save with model_type 'clover_moe'")
+                raise ValueError(f"{name} differs from its default (docs/design.md §2), but a {config.model_type} "
+                                 "checkpoint has no Clover block-mode tensors; save with model_type 'clover_moe'")
             continue
         if placement.transform == SQUEEZE_CHANNEL:
             tensor = tensor.reshape(placement.shape)

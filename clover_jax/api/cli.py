@@ -402,8 +402,8 @@ def run_generate(args: argparse.Namespace) -> int:
     status = _Status(quiet=args.quiet or args.json)
     path = resolve_model_dir(args.model, args.revision, quiet=status.quiet)
 
-    from clover_jax.core.config import CloverConfig
     from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.core.config import CloverConfig
 
     config = CloverConfig.from_pretrained(path)
     tokenizer = Tokenizer.from_pretrained(path)
@@ -501,8 +501,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from clover_jax.api.serving.server import build_service, serve, warm_up
 
     model = args.model if _is_hub_snapshot(args.model) else path
-    service = build_service(str(model), name, args.max_running, args.max_queue, args.max_context, sizes, args.dtype,
-                            args.revision if _is_hub_snapshot(args.model) else None)
+    service = build_service(str(model), name=name, max_running=args.max_running, max_queue=args.max_queue,
+                            max_context=args.max_context, block_sizes=sizes, dtype=args.dtype,
+                            revision=args.revision if _is_hub_snapshot(args.model) else None)
     if not args.no_warmup:
         print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
     print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
@@ -661,7 +662,7 @@ def render_steps(tokenizer, prompt_ids: Sequence[int], response: Sequence[int], 
     new, dim, reset = ("\x1b[1;32m", "\x1b[2m", "\x1b[0m") if color else ("", "", "")
     blocks = []  # per block: [(token, step or 0 for prompt)]
     first = [(token, 0) for token in prompt_ids[prompt_length - tail:]] if tail else []
-    for t, (token, step) in enumerate(zip(response, fill_steps)):
+    for t, (token, step) in enumerate(zip(response, fill_steps, strict=True)):
         k = (tail + t) // size
         while len(blocks) <= k:
             blocks.append(first if not blocks else [])
@@ -702,7 +703,7 @@ def render_rounds(tokenizer, response: Sequence[int], trajectory: dict, generati
     color = out.isatty() and os.environ.get("NO_COLOR") is None
     green, own, dim, reset = ("\x1b[1;32m", "\x1b[1;33m", "\x1b[2m", "\x1b[0m") if color else ("", "", "", "")
     text = lambda ids: "".join(_visible(tokenizer.decode([token])) for token in ids)
-    rounds = list(zip(trajectory["drafts"], trajectory["accepted"], trajectory["emitted"]))
+    rounds = list(zip(trajectory["drafts"], trajectory["accepted"], trajectory["emitted"], strict=True))
     width, position = len(str(len(rounds))), 0
     for number, (drafts, accepted, emitted) in enumerate(rounds, 1):
         tokens = response[position:position + emitted]
@@ -828,8 +829,8 @@ def parameter_counts(config) -> dict[str, int]:
 
 
 def describe(path: Path, config, batch: int, context: int) -> dict[str, Any]:
-    from clover_jax.parallel.memory import estimate_memory
     from clover_jax.api.tokenization import has_chat_template
+    from clover_jax.parallel.memory import estimate_memory
 
     files = sorted(path.glob("*.safetensors"))
     has_template = has_chat_template(path)

@@ -17,17 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core import compilation_cache
-
-from clover_jax.parallel import memory
 from clover_jax.core.config import CloverConfig
-from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutput
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.kernels import choose_kernels
-from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for, stack_groups, unstack_groups
+from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutput
 from clover_jax.core.quantization import QuantSpec
-from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 from clover_jax.core.state import ModelState, empty_state
+from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for, stack_groups, unstack_groups
+from clover_jax.parallel import memory
+from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +108,7 @@ class CloverModel:
     def from_pretrained(
         cls,
         path: str | os.PathLike,
+        *,
         dtype: Any = None,
         mesh: jax.sharding.Mesh | None = None,
         name_map: dict[str, str] | None = None,

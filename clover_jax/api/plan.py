@@ -29,7 +29,7 @@ from clover_jax.parallel.targets import Target
 logger = logging.getLogger(__name__)
 
 
-def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Target | Sequence | None" = None,
+def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Target | Sequence | None" = None, *,
          context_length: int = 32768, batch: int = 1, compile: bool = False, block_size: int = 32,
          chunk_size: int = 2048, revision: str | None = None, modes: Sequence[str] = MODES,
          formats: Sequence[str] | None = None) -> Plan:
@@ -60,11 +60,12 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Targ
         raise ValueError(f"formats {unknown} are not among this plan's formats {names}")
     asked = [option for option in arithmetic.options if formats is None or option.weights in formats]
     to_compile = [option for option in asked if option.weight_bytes <= option.device_bytes]
-    jobs = [CompileJob(dataclasses.asdict(config), named.name, None if option.quantize is None else option.quantize.name,
-                       option.mesh, dataclasses.asdict(option.rules), context_length, batch, block_size, chunk_size,
+    jobs = [CompileJob(dataclasses.asdict(config), named.name,
+                       None if option.quantize is None else option.quantize.name, option.mesh,
+                       dataclasses.asdict(option.rules), context_length, batch, block_size, chunk_size,
                        tuple(modes)) for option in to_compile]
     logger.info("compiling %d loops × %d formats for %s", len(modes), len(jobs), named.name)
-    results = dict(zip(map(id, to_compile), compile_in_subprocess(jobs))) if jobs else {}
+    results = dict(zip(map(id, to_compile), compile_in_subprocess(jobs), strict=True)) if jobs else {}
     options = [compiled_option(option, results.get(id(option)), modes) if option in asked else option
                for option in arithmetic.options]
     return decide(options, arithmetic.target, context_length, batch)
@@ -74,8 +75,8 @@ def compiled_option(option: Option, compiled: dict | None, modes: Sequence[str])
     """The option with the compiler's figures, and `fits` as the compiler says (None: not compiled,
     its weights alone exceed the device)."""
     if compiled is None:
-        too_big = ProgramMemory(error=f"not compiled: the weights alone, {option.weight_bytes / GIB:.1f} GiB per device, "
-                                      f"exceed the device's {option.device_bytes / GIB:.1f} GiB")
+        too_big = ProgramMemory(error=f"not compiled: the weights alone, {option.weight_bytes / GIB:.1f} GiB per "
+                                      f"device, exceed the device's {option.device_bytes / GIB:.1f} GiB")
         return dataclasses.replace(option, fits=False, compiled={mode: too_big for mode in modes})
     fits = all(memory.error is None and memory.total_bytes <= HEADROOM * option.device_bytes
                for memory in compiled.values())

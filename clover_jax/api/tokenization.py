@@ -286,7 +286,7 @@ class Tokenizer:
                 f"and no {CHAT_TEMPLATE_FILE}); pass chat_template=..., or encode the raw text with encode()")
         return self.chat_template
 
-    def apply_chat_template(self, conversation: Sequence[Message] | Sequence[Sequence[Message]],
+    def apply_chat_template(self, conversation: Sequence[Message] | Sequence[Sequence[Message]], *,
                             tools: list | None = None, documents: list | None = None, chat_template: str | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool | str = False,
                             tokenize: bool = True, padding: bool | str = False, return_tensors: str | None = None,
@@ -410,7 +410,8 @@ def check_tokenizer_config(config: Any, file: str) -> None:
 def _special_tokens(config: Mapping[str, Any], legacy: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
     """(named special tokens, extra special tokens) as transformers 5 collects them."""
     # special_tokens_map.json (read for legacy tokenizers only) overrides tokenizer_config.json, as in transformers
-    merged = {**{k: v for k, v in config.items() if v is not None}, **{k: v for k, v in legacy.items() if v is not None}}
+    merged = {**{k: v for k, v in config.items() if v is not None},
+              **{k: v for k, v in legacy.items() if v is not None}}
     named = {name: _token_content(merged[name]) for name in SPECIAL_TOKEN_NAMES if name in merged}
     # model-specific named tokens (image_token, ...) are template variables too
     named.update({key: _token_content(value) for key, value in merged.items()

@@ -181,7 +181,8 @@ class CloverConfig:
     def replace(self, **changes: Any) -> "CloverConfig":
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known: {sorted(f.name for f in dataclasses.fields(self))}")
+            raise ConfigError(f"unknown config fields {unknown}; known: "
+                              f"{sorted(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -14,7 +14,8 @@ packages that build the program (every top-level package of clover-jax's distrib
 `source_packages`), so editing the code never reuses a stale program; the JAX and jaxlib
 versions; the platform and device kind; `XLA_FLAGS` and the JAX settings that change numerics.
 Calls whose static arguments cannot be named stably (a mesh, a schedule defined inside a
-function) run through plain `jax.jit`, as do programs JAX cannot serialize. A file that does not load is replaced, with a warning.
+function) run through plain `jax.jit`, as do programs JAX cannot serialize. A file that does not
+load is replaced, with a warning.
 
 The cache directory is the user's own (`CLOVER_JAX_CACHE_DIR`): like any pickled executable,
 its files must not come from an untrusted source.
@@ -165,7 +166,7 @@ class PersistentJit:
         directory = compilation_cache.executable_directory()
         if directory is None:
             return self.jitted(*args, **kwargs)
-        named = dict(zip(self.parameters, args), **kwargs)
+        named = dict(zip(self.parameters, args, strict=False), **kwargs)
         dynamic = tuple(named[name] for name in self.parameters if name not in self.static and name in named)
         try:
             key = tuple(self._signature(named[name], name in self.static) for name in self.parameters

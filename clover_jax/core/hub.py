@@ -121,8 +121,12 @@ def _weight_files(folder: Path) -> list[str]:
 def _snapshot(repo_id: str, revision: str | None, patterns: list[str], shown_revision: str | None = None,
               weights: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     shown_revision = shown_revision if weights else revision
     at = f" at revision {shown_revision!r}" if shown_revision else ""

@@ -8,11 +8,11 @@ kernel up in the table of functions beside them (`clover_jax.nn.attention`, `nn.
 `nn.moe`), and whatever must agree with a pass — the rollback of a recorded GDN pass rereads its
 chunk — asks the same `KernelChoice`.
 
-| impl     | attention                                 | GDN causal rows (`gdn_rule`)  | routed experts (`expert_rule`)  |
-|----------|-------------------------------------------|-------------------------------|---------------------------------|
-| "xla"    | "online_softmax" over key blocks          | "chunked" (XLA)               | "tiled" (XLA)                   |
-| "pallas" | "dot_product_attention" (cuDNN on GPU)    | "pallas" (`gdn_chunk`)        | "grouped" (grouped matmuls)     |
-| "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"      | GPU, TPU: Pallas; CPU: XLA    | GPU, TPU: grouped; CPU: tiled   |
+| impl     | attention                              | GDN causal rows (`gdn_rule`) | routed experts (`expert_rule`) |
+|----------|----------------------------------------|------------------------------|--------------------------------|
+| "xla"    | "online_softmax" over key blocks       | "chunked" (XLA)              | "tiled" (XLA)                  |
+| "pallas" | "dot_product_attention" (cuDNN on GPU) | "pallas" (`gdn_chunk`)       | "grouped" (grouped matmuls)    |
+| "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"   | GPU, TPU: Pallas; CPU: XLA   | GPU, TPU: grouped; CPU: tiled  |
 
 One causal row (an autoregressive step) always takes the "recurrent" per-token rule. The
 grouped matmul is megablox `gmm` on TPU for float weights and our Pallas kernel otherwise

@@ -67,7 +67,8 @@ class Param:
 
     def __post_init__(self):
         if self.init not in INITS or (self.init == "default") != (self.default is not None):
-            raise ValueError(f"{self.path}: init {self.init!r} (one of {INITS}; 'default' exactly when a default is given)")
+            raise ValueError(f"{self.path}: init {self.init!r} (one of {INITS}; 'default' exactly when a default "
+                             "is given)")
         for name in ("path", "checkpoint"):  # written as "a/b" or "name" in the table
             value = getattr(self, name)
             if isinstance(value, str):
@@ -113,7 +114,8 @@ PARAMS: tuple[Param, ...] = (
     Param("embed_tokens/embedding", TOP, lambda c: (c.vocab_size, c.hidden_size), ("vocab", None),
           "model.embed_tokens.weight"),
     # ---- every decoder layer
-    Param("input_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,), "input_layernorm.weight", init="zeros"),
+    Param("input_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,), "input_layernorm.weight",
+          init="zeros"),
     Param("post_attention_layernorm/weight", EVERY_LAYER, lambda c: (c.hidden_size,), (None,),
           "post_attention_layernorm.weight", init="zeros"),
     Param("mlp/gate", EVERY_LAYER, lambda c: (c.num_experts, c.hidden_size), (None, None), "mlp.gate.weight"),

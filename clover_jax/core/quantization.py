@@ -193,7 +193,8 @@ def place(weight: "QuantizedWeight | np.ndarray", sharding: "jax.sharding.Shardi
     if not isinstance(weight, QuantizedWeight) or sharding is None:
         return jax.device_put(weight, sharding)
     values_sharding, scales_sharding = quantized_shardings(sharding, weight.values.ndim)
-    return QuantizedWeight(jax.device_put(weight.values, values_sharding), jax.device_put(weight.scales, scales_sharding))
+    return QuantizedWeight(jax.device_put(weight.values, values_sharding),
+                           jax.device_put(weight.scales, scales_sharding))
 
 
 def dequantize(weight: "QuantizedWeight | jax.Array", dtype) -> jax.Array:

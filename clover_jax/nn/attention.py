@@ -23,16 +23,16 @@ from einops import rearrange
 from flax import linen as nn
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.state import KVCache, Rows
 from clover_jax.core.streams import StreamMode
-from clover_jax.parallel.sharding import MeshSharding
+from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
 from clover_jax.nn.rope import apply_partial_rope, rope_angles
 from clover_jax.nn.stream_attention import two_stream_attention
-from clover_jax.core.state import KVCache, Rows
+from clover_jax.parallel.sharding import MeshSharding
 
 
 class GatedAttention(nn.Module):
@@ -95,7 +95,8 @@ class GatedAttention(nn.Module):
         def read_cache(first, size):
             shape = (1,) + cache.key.shape[1:2] + (size,) + cache.key.shape[3:]
             start = (group, 0, first, 0, 0)
-            return (jax.lax.dynamic_slice(cache.key, start, shape)[0], jax.lax.dynamic_slice(cache.value, start, shape)[0])
+            return (jax.lax.dynamic_slice(cache.key, start, shape)[0],
+                    jax.lax.dynamic_slice(cache.value, start, shape)[0])
 
         segments = [KeySegment(read_cache, cache.key.shape[2], cache_allowed, jnp.max(filled))]
         if x.shape[1] > causal:

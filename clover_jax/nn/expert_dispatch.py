@@ -296,7 +296,8 @@ def _single_token_mlp(token, expert_ids, expert_weights, gate_up_proj, down_proj
     stack's slice otherwise. token: [1, hidden]; ids, weights: [top_k]."""
     num_experts = expert_count(gate_up_proj)
     if per_expert(gate_up_proj):
-        branches = [functools.partial(expert_output, gate_up, down) for gate_up, down in zip(gate_up_proj, down_proj)]
+        branches = [functools.partial(expert_output, gate_up, down)
+                    for gate_up, down in zip(gate_up_proj, down_proj, strict=True)]
         output = lambda expert: jax.lax.switch(expert, branches, token)
     else:
         output = lambda expert: expert_output(take(gate_up_proj, expert), take(down_proj, expert), token)

@@ -19,7 +19,7 @@ def fused_attention(query: jax.Array, segments: list[KeySegment], platform: str)
     """query: [batch, queries, heads, head_dim] -> [batch, queries, heads, head_dim].
 
     platform: "cpu", "gpu" or "tpu" (`KernelChoice.platform`); cuDNN runs it on "gpu", XLA elsewhere."""
-    keys, values = zip(*(s.read(0, s.length) for s in segments))
+    keys, values = zip(*(s.read(0, s.length) for s in segments), strict=True)
     key = jnp.concatenate([k.astype(query.dtype) for k in keys], axis=1)
     value = jnp.concatenate([v.astype(query.dtype) for v in values], axis=1)
     allowed = jnp.concatenate([s.allowed(jnp.arange(s.length)) for s in segments], axis=-1)  # [b, q, k]

@@ -23,10 +23,9 @@ restores the state at any of them (self-speculative decoding).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +34,15 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
-from clover_jax.nn.gdn_streams import two_stream_core
-from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
 from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.core.passes import PassMode
-from clover_jax.core.streams import StreamMode
-from clover_jax.parallel.sharding import MeshSharding
-from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
+from clover_jax.core.streams import StreamMode
+from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from clover_jax.nn.gdn_streams import two_stream_core
+from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
+from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
+from clover_jax.parallel.sharding import MeshSharding
 
 
 def block_mode_attention(
@@ -87,8 +86,8 @@ def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value
     cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
     are split over the axis the rules give value heads when both head counts divide it; a key
     head's value heads are consecutive, so the shards keep their pairing."""
-    batch_axis = mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1 and batch % mesh_sharding.axis_size(
-        mesh_sharding.rules.batch) == 0 else None
+    batch_axis = (mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1
+                  and batch % mesh_sharding.axis_size(mesh_sharding.rules.batch) == 0 else None)
     heads_axis = mesh_sharding.rules.value_heads
     size = mesh_sharding.axis_size(heads_axis)
     heads_axis = heads_axis if size > 1 and key_heads % size == 0 and value_heads % size == 0 else None
@@ -123,7 +122,8 @@ class GatedDeltaNet(nn.Module):
         beta_logit = Linear(config, self.dtype, name="in_proj_b")(x)    # [b, t, value_heads]
         decay_logit = Linear(config, self.dtype, name="in_proj_a")(x)   # [b, t, value_heads]
         kernel = config.linear_conv_kernel_dim
-        conv_weight, dt_bias, a_log = (table_param(self, config, name) for name in ("conv1d_weight", "dt_bias", "A_log"))
+        conv_weight, dt_bias, a_log = (table_param(self, config, name)
+                                       for name in ("conv1d_weight", "dt_bias", "A_log"))
         # Clover block-mode parameters (docs/design.md §2; initialised to their defaults)
         right_weight, block_logit_scale, memory_logit_bias, block_size_calibration = (
             table_param(self, config, name) for name in ("conv1d_right_weight", "block_logit_scale",
@@ -131,7 +131,8 @@ class GatedDeltaNet(nn.Module):
 
         def split_qkv(activated):
             query, key, value = jnp.split(activated, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
-            query = l2_normalize(rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
+            query = l2_normalize(
+                rearrange(query, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
             key = l2_normalize(rearrange(key, "b t (h d) -> b t h d", d=config.linear_key_head_dim).astype(jnp.float32))
             return query, key, rearrange(value, "b t (h d) -> b t h d", d=config.linear_value_head_dim)
 
@@ -173,7 +174,8 @@ class GatedDeltaNet(nn.Module):
             core, recurrent = rule(query * config.linear_key_head_dim ** -0.5, key, value, decay, beta,
                                    state.recurrent)
             if record is not None:
-                record = jax.tree_util.tree_map(put, record, GDNRecord(window, state.recurrent, key, value, decay, beta))
+                record = jax.tree_util.tree_map(put, record,
+                                                GDNRecord(window, state.recurrent, key, value, decay, beta))
             advanced = GDNState(conv=window[:, window.shape[1] - (kernel - 1):], recurrent=recurrent)
             if rows.committed is not None:  # sequences that skip this commit keep their state
                 if record is not None:
@@ -189,7 +191,8 @@ class GatedDeltaNet(nn.Module):
         if x.shape[1] > causal:
             block = mixed[:, causal:]
             window = jnp.concatenate([state.conv.astype(self.dtype), block], axis=1)
-            activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
+            activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight)
+                                    + right_context_conv(block, right_weight))
             query, key, value = split_qkv(activated)
             cores.append(block_mode(repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent))
 

@@ -38,19 +38,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from clover_jax.nn import rollback
-from clover_jax.nn.attention import GatedAttention
 from clover_jax.core.config import CloverConfig
-from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
-from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.params import ROUTED_EXPERT_PATHS
-from clover_jax.nn.layers import RMSNorm, table_param
-from clover_jax.nn.expert_dispatch import stacked
-from clover_jax.nn.moe import RouterStats, SparseMoE
-from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
+from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
 from clover_jax.core.streams import StreamMode, Streams
+from clover_jax.nn import rollback
+from clover_jax.nn.attention import GatedAttention
+from clover_jax.nn.expert_dispatch import stacked
+from clover_jax.nn.gdn import GatedDeltaNet
+from clover_jax.nn.layers import RMSNorm, table_param
+from clover_jax.nn.moe import RouterStats, SparseMoE
+from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 
 LAYER_LOOPS = ("scan", "unrolled")
 
@@ -309,9 +309,9 @@ def _split_experts(stacks: list, min_bytes: int) -> list:
     if sum(view[0].nbytes for per_stack in views for view in per_stack) < min_bytes:
         return stacks
     return [tuple(jax.tree_util.tree_unflatten(treedef, [jax.device_put(view[expert], leaf.sharding)
-                                                        for view, leaf in zip(per_stack, leaves)])
+                                                        for view, leaf in zip(per_stack, leaves, strict=True)])
                   for expert in range(leaves[0].shape[0]))
-            for (leaves, treedef), per_stack in zip(flat, views)]
+            for (leaves, treedef), per_stack in zip(flat, views, strict=True)]
 
 
 def _map_expert_stacks(group: dict, transform) -> dict:
@@ -332,7 +332,7 @@ def _map_expert_stacks(group: dict, transform) -> dict:
         stacks = {path: found(layer, path) for path in ROUTED_EXPERT_PATHS}
         paths = [path for path, stack in stacks.items() if stack is not None]
         if paths:
-            for path, value in zip(paths, transform([stacks[path] for path in paths])):
+            for path, value in zip(paths, transform([stacks[path] for path in paths]), strict=True):
                 layer = replaced(layer, path, value)
             group[slot] = layer
     return group

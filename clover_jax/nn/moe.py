@@ -26,12 +26,12 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
-from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
 from clover_jax.core.kernels import ExpertRule, KernelChoice
 from clover_jax.core.passes import PassMode
-from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.core.quantization import QuantizedWeight
+from clover_jax.core.streams import StreamMode, Streams
+from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
+from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
 from clover_jax.nn.layers import Linear, table_param
 from clover_jax.parallel.sharding import MeshSharding
 

@@ -73,7 +73,7 @@ def online_attention(query: jax.Array, segments: list[KeySegment], key_block: in
             running = absorb(running, grouped, key, value, segment.allowed(jnp.arange(length)))
             continue
 
-        def block_step(block, running):
+        def block_step(block, running, segment=segment, length=length):  # this segment's, bound
             # The last block's slice is clamped to end at `length`; keys it shares with the previous
             # block are masked so that none is counted twice.
             first = jnp.minimum(block * key_block, length - key_block)

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.nn.gated_delta import chunked_gated_delta_rule
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.state import GDNRecord, GDNState, ModelState, RecordingGDN
+from clover_jax.nn.gated_delta import chunked_gated_delta_rule
 
 
 def recording(state: ModelState, config: CloverConfig, rows: int) -> ModelState:
@@ -44,7 +44,7 @@ def recording(state: ModelState, config: CloverConfig, rows: int) -> ModelState:
             continue
         groups, batch, conv_rows, conv_dim = layer.conv.shape
         heads = config.linear_num_value_heads
-        zeros = lambda *shape, dtype=jnp.float32: jnp.zeros((groups, batch) + shape, dtype)
+        zeros = lambda *shape, dtype=jnp.float32, lead=(groups, batch): jnp.zeros(lead + shape, dtype)
         layers[name] = RecordingGDN(layer, GDNRecord(
             window=zeros(conv_rows + rows, conv_dim, dtype=layer.conv.dtype),
             initial=jnp.zeros_like(layer.recurrent),

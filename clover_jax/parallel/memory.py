@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.core.params import parameter_counts
 from clover_jax.core.kernels import KEY_BLOCK
+from clover_jax.core.params import parameter_counts
 
 if TYPE_CHECKING:
     from clover_jax.parallel.sharding import MeshSharding
@@ -61,10 +61,12 @@ def estimate_memory(config: CloverConfig, batch: int, context_length: int, dtype
     gdn_layers = config.num_hidden_layers - attention_layers
     kv_cache = attention_layers * 2 * batch * context_length * config.num_key_value_heads * config.head_dim * itemsize
     gdn_state = gdn_layers * batch * (
-        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4 // split("value_heads")
+        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        // split("value_heads")
         + (config.linear_conv_kernel_dim - 1) * config.conv_dim * itemsize)
     rows = batch * max(chunk_size, 2 * block_size)
-    scores = 3 * batch * config.num_attention_heads * max(chunk_size, 2 * block_size) * KEY_BLOCK * 4 // split("q_heads")
+    scores = (3 * batch * config.num_attention_heads * max(chunk_size, 2 * block_size) * KEY_BLOCK * 4
+              // split("q_heads"))
     moe = rows * config.num_experts_per_tok * (2 * config.hidden_size + 3 * config.moe_intermediate_size) * 4
     gdn = 4 * rows * config.linear_num_value_heads * (GDN_CHUNK + config.linear_key_head_dim
                                                       + config.linear_value_head_dim) * 4 // split("value_heads")
@@ -115,4 +117,5 @@ def check_fits(needed: MemoryEstimate, already_placed: int = 0, device: jax.Devi
     if free is not None and extra > free:
         raise ValueError(f"this request needs about {needed.describe()}; {extra / 1e9:.2f} GB more than the "
                          f"parameters already placed, but only {free / 1e9:.2f} GB are free on "
-                         f"{device or jax.local_devices()[0]}. Use a shorter context, a smaller batch, or more devices.")
+                         f"{device or jax.local_devices()[0]}. Use a shorter context, a smaller batch, or more "
+                         "devices.")

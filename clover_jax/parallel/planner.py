@@ -121,7 +121,8 @@ def describe_format(dtype: str, spec: QuantSpec | None) -> str:
     return name + (" + dense" if spec.dense else "")
 
 
-def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | None, mesh_sharding: MeshSharding) -> int:
+def weight_bytes_per_device(config: CloverConfig, dtype: str, spec: QuantSpec | None,
+                            mesh_sharding: MeshSharding) -> int:
     """Exact bytes of the parameters one device holds."""
     itemsize = np.dtype(dtype).itemsize
     total = 0
@@ -214,8 +215,8 @@ def decide(options: list[Option], where: str, context_length: int, batch: int) -
     if chosen is None:
         smallest = min(options, key=lambda option: option.total_bytes)
         reason = (f"nothing fits on {where}: the smallest, {smallest.weights}, needs "
-                  f"{smallest.weight_bytes / GIB:.1f} GiB weights + {smallest.state_bytes / GIB:.1f} GiB state per device; "
-                  "use more devices, a shorter context or a smaller batch")
+                  f"{smallest.weight_bytes / GIB:.1f} GiB weights + {smallest.state_bytes / GIB:.1f} GiB state per "
+                  "device; use more devices, a shorter context or a smaller batch")
     else:
         needed = chosen.compiled_bytes if chosen.compiled is not None else chosen.total_bytes
         reason = (f"{chosen.weights} on {where}: {chosen.weight_bytes / GIB:.1f} GiB weights + "

@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.core.config import CloverConfig
-from clover_jax.core.params import find_param
 from clover_jax.core.param_layout import flat_layout, nested
+from clover_jax.core.params import find_param
 from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
 from clover_jax.core.state import GDNState, KVCache, ModelState
 
@@ -172,10 +172,12 @@ class MeshSharding:
         for path, shape in layout.items():
             sharding = self.param_sharding(path)
             if spec is not None and spec.applies_to(path):
-                (values_shape, scales_shape), (values_dtype, scales_dtype) = spec.stored_shapes(shape), spec.stored_dtypes()
+                values_shape, scales_shape = spec.stored_shapes(shape)
+                values_dtype, scales_dtype = spec.stored_dtypes()
                 values_sharding, scales_sharding = quantized_shardings(sharding, len(shape))
-                leaves[path] = QuantizedWeight(jax.ShapeDtypeStruct(values_shape, values_dtype, sharding=values_sharding),
-                                               jax.ShapeDtypeStruct(scales_shape, scales_dtype, sharding=scales_sharding))
+                leaves[path] = QuantizedWeight(
+                    jax.ShapeDtypeStruct(values_shape, values_dtype, sharding=values_sharding),
+                    jax.ShapeDtypeStruct(scales_shape, scales_dtype, sharding=scales_sharding))
             else:
                 leaves[path] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         return nested(leaves)

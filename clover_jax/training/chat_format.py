@@ -60,7 +60,7 @@ CHAT_TEMPLATE = """\
         {{- '<think>\\n\\n</think>\\n\\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501 (one line per Jinja statement; the bundled tokenizer_config.json holds this exact text)
 
 
 def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = False,

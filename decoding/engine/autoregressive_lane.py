@@ -19,8 +19,8 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.autoregressive import next_tokens
-from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.controls import Controls, TokenIds
+from decoding.engine.slots import one_slot, per_slot_choice
 
 
 class AutoregressiveSlots(NamedTuple):

@@ -26,8 +26,8 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
-from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.controls import Controls, TokenIds
+from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.schedules import BY_NAME
 from decoding.schedules.switch import ScheduleSwitch
 
@@ -68,7 +68,7 @@ class DiffusionReport(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("passes", "layout", "commit", "sample"), donate_argnames=("slots",))
 def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, slots: DiffusionSlots,
-                   alive: jax.Array, coreset_top_p: jax.Array, ids: TokenIds, commit: bool,
+                   alive: jax.Array, coreset_top_p: jax.Array, ids: TokenIds, *, commit: bool,
                    sample: bool) -> tuple[DiffusionSlots, DiffusionReport]:
     """One forward over every slot, then one denoising step of each live one.
 
@@ -106,8 +106,8 @@ def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, sl
 
 
 def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prompt_length: int,
-          max_new_tokens: int, thinking: bool, key: jax.Array, controls: Controls, schedule: dict, sample: bool,
-          has_prefix: bool, ids: TokenIds, vocab: int, *, threshold: float) -> DiffusionSlots:
+          max_new_tokens: int, thinking: bool, key: jax.Array, *, controls: Controls, schedule: dict, sample: bool,
+          has_prefix: bool, ids: TokenIds, vocab: int, threshold: float) -> DiffusionSlots:
     """One slot's state for a request whose prefix `model_state` holds (a staging state): its first
     block is the prompt tail (fixed) then masks, as `generate` lays out a prompt alone. key: the
     request's key with a slot axis ([1]); schedule: its `SCHEDULES` parameters, leaves [1].

@@ -38,8 +38,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
-from decoding.engine.requests import (EngineEvent, EngineRequest, LaneKey, Listener, PreparedRequest, RequestStats,
-                                      prepare, rows_needed)
+from decoding.engine.requests import (
+    EngineEvent,
+    EngineRequest,
+    LaneKey,
+    Listener,
+    PreparedRequest,
+    RequestStats,
+    prepare,
+    rows_needed,
+)
 from decoding.engine.slots import chunk_plan, prefill_chunk
 from decoding.generation import model_defaults
 from decoding.layouts import token_ids_of
@@ -159,7 +167,8 @@ class Engine:
                 raise EngineClosed("the engine is closed")
             if self._waiting + len(self._held) + len(prepared) > self.max_running + self.max_queue:
                 raise QueueFull(f"{self.max_running} requests are running and {self.max_queue} waiting")
-            tracked = [Tracked(next(self._numbers), one, listener) for one, listener in zip(prepared, listeners)]
+            tracked = [Tracked(next(self._numbers), one, listener)
+                       for one, listener in zip(prepared, listeners, strict=True)]
             self._inbox.extend(tracked)
             self._waiting += len(tracked)
             self._lock.notify()

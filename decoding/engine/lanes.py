@@ -135,7 +135,7 @@ class Lane:
         indices = np.array(free + [free[-1]] * (padded - len(joins)), np.int32)
         treedef, leaves, on_host = stack_entries(entries + [entries[-1]] * (padded - len(joins)))
         self.slots = put_slots(self.slots, indices, treedef, leaves, on_host)
-        for slot, (tracked, _, _) in zip(free, joins):
+        for slot, (tracked, _, _) in zip(free, joins, strict=True):
             self.occupants[slot] = tracked
             tracked.nfe = self._first_nfe(tracked.prepared)
 
@@ -189,9 +189,10 @@ class DiffusionLane(Lane):
         tail = prepared.prompt[len(prepared.prompt) - len(prepared.prompt) % size:]
         config = prepared.config
         return diffusion_lane.entry(
-            staging, tail, size, len(prepared.prompt), config.max_new_tokens, prepared.thinking,
-            prepared.key, prepared.controls, prepared.schedule, config.do_sample,
-            len(prepared.prompt) >= size, self.context.ids, self.context.vocab, threshold=config.threshold)
+            staging, tail, size, len(prepared.prompt), config.max_new_tokens, prepared.thinking, prepared.key,
+            controls=prepared.controls, schedule=prepared.schedule, sample=config.do_sample,
+            has_prefix=len(prepared.prompt) >= size, ids=self.context.ids, vocab=self.context.vocab,
+            threshold=config.threshold)
 
     def _first_nfe(self, prepared):
         return int(len(prepared.prompt) >= self.key.block_size)

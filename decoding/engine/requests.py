@@ -19,8 +19,8 @@ import numpy as np
 from decoding.controls import Controls
 from decoding.engine.diffusion_lane import SCHEDULES
 from decoding.generation import check_prompts, resolve_config
-from decoding.layouts import MODES, controls_of, prompt_thinking
 from decoding.generation_config import GenerationConfig
+from decoding.layouts import MODES, controls_of, prompt_thinking
 from decoding.schedules import BY_NAME, resolve_params
 
 FINISH_REASONS = ("eos", "length", "cancelled", "error")

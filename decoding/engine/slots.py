@@ -77,7 +77,8 @@ def put_slots(slots: Any, indices: jax.Array, treedef: Any, leaves: tuple, on_ho
         shape = np.max([value.shape for value in leaf], axis=0)
         return jnp.concatenate([_padded(value, shape) for value in leaf], axis=axis)
 
-    entries = treedef.unflatten([stacked(leaf, host, axis) for leaf, host, axis in zip(leaves, on_host, axes)])
+    entries = treedef.unflatten([stacked(leaf, host, axis)
+                                 for leaf, host, axis in zip(leaves, on_host, axes, strict=True)])
 
     def put(full, some, axis):
         shape = list(full.shape)
@@ -90,7 +91,7 @@ def put_slots(slots: Any, indices: jax.Array, treedef: Any, leaves: tuple, on_ho
 
 def _padded(value: jax.Array, shape) -> jax.Array:
     """`value` padded at the end of each axis to `shape` (zeros; no axis is cut)."""
-    return jnp.pad(value, [(0, int(size) - now) for size, now in zip(shape, value.shape)]) \
+    return jnp.pad(value, [(0, int(size) - now) for size, now in zip(shape, value.shape, strict=True)]) \
         if tuple(value.shape) != tuple(shape) else value
 
 
@@ -111,7 +112,7 @@ def take_slots(slots: Any, indices: jax.Array, capacity: int) -> Any:
         for name, layer in node.layers.items():
             if isinstance(layer, KVCache):
                 rows = layer.key.shape[2]
-                cut = lambda a: a[:, :, :capacity] if rows >= capacity else jnp.pad(
+                cut = lambda a, rows=rows: a[:, :, :capacity] if rows >= capacity else jnp.pad(
                     a, [(0, 0), (0, 0), (0, capacity - rows)] + [(0, 0)] * (a.ndim - 3))
                 layer = KVCache(cut(layer.key), cut(layer.value))
             layers[name] = layer
@@ -167,7 +168,7 @@ def per_slot_choice(controls, sampling: jax.Array, sample: bool):
         greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
         if not sample:
             return greedy
-        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key), in_axes=(0, 0, per_sequence_axes(controls)))(
-            processed, keys, controls)
+        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key),
+                           in_axes=(0, 0, per_sequence_axes(controls)))(processed, keys, controls)
         return jax.tree_util.tree_map(lambda g, s: jnp.where(sampling[:, None], s, g), greedy, sampled)
     return choose_rows

@@ -45,8 +45,8 @@ def speculative_step(passes: ModelPasses, params: Any, block_size: int, coreset:
                      ids: TokenIds) -> tuple[SpeculativeSlots, SpeculativeReport]:
     """One round for every live slot (alive: bool [S]); two forwards."""
     out = speculative_round(passes, params, block_size, coreset, coreset_top_p, slots.controls, ids,
-                            slots.prompt_thinking, slots.max_new_tokens, slots.model, slots.pending, slots.counts,
-                            slots.lengths, alive)
+                            slots.prompt_thinking, max_new_tokens=slots.max_new_tokens, model=slots.model,
+                            pending=slots.pending, counts=slots.counts, lengths=slots.lengths, active=alive)
     nfe = slots.nfe + 2 * alive
     slots = slots._replace(model=out.model, pending=out.pending, counts=out.counts, lengths=out.lengths, nfe=nfe)
     return slots, SpeculativeReport(out.choices, out.emitted, out.finished, nfe)

@@ -26,9 +26,14 @@ with their sources, in docs/schedules.md.
 """
 
 from decoding.schedules.confidence import (
-    above_or_best, fast_dllm_factor, fast_dllm_threshold, fixed_k, low_confidence, margin)
-from decoding.schedules.dream import ALGORITHMS as DREAM_ALGORITHMS
-from decoding.schedules.dream import dream
+    above_or_best,
+    fast_dllm_factor,
+    fast_dllm_threshold,
+    fixed_k,
+    low_confidence,
+    margin,
+)
+from decoding.schedules.dream import ALGORITHMS as DREAM_ALGORITHMS, dream
 from decoding.schedules.entropy import eb_sampler, entropy_bounded
 from decoding.schedules.joint_threshold import joint_threshold
 from decoding.schedules.registry import BY_NAME, FROM_CONFIG, FromConfig, NamedSchedule, Range, resolve, resolve_params

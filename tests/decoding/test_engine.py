@@ -12,8 +12,7 @@ import threading
 import pytest
 
 from decoding import generate
-from decoding.engine import Engine, EngineRequest, QueueFull
-from decoding.engine import diffusion_lane, slots
+from decoding.engine import Engine, EngineRequest, QueueFull, diffusion_lane, slots
 from tests.conftest import MASK_ID
 from tests.decoding.conftest import THINK_START
 
@@ -58,12 +57,12 @@ def test_batched_requests_equal_each_request_alone(engine, model, controls_confi
     # nine requests of three modes, at most four running: the later ones join while the others are in
     # the middle of their blocks, and each leaves at its own step
     requests = [EngineRequest(prompt, overrides=variant, seed=seed)
-                for seed, (prompt, variant) in enumerate(zip(PROMPTS, VARIANTS))]
+                for seed, (prompt, variant) in enumerate(zip(PROMPTS, VARIANTS, strict=True))]
     requests += [EngineRequest(PROMPTS[0], "autoregressive"),
                  EngineRequest(PROMPTS[1], "autoregressive", overrides={"do_sample": True, "temperature": 0.8}, seed=5),
                  EngineRequest(PROMPTS[3], "self_speculative")]
     results = engine.run(requests, timeout=900)
-    for request, result in zip(requests, results):
+    for request, result in zip(requests, results, strict=True):
         tokens, nfe, steps = alone(model, controls_config, request)
         assert result.error is None
         assert (result.tokens, result.stats.nfe, len(result.stats.steps_per_block)) == (tokens, nfe, len(steps)), \
@@ -100,7 +99,7 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_decode_as_alone(engin
     started.wait(300)
     handle_box[0].cancel()
     others = [EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[2])]
-    for request, result in zip(others, engine.run(others, timeout=600)):
+    for request, result in zip(others, engine.run(others, timeout=600), strict=True):
         assert result.tokens == alone(model, controls_config, request)[0]
     assert engine.running() == 0
 
@@ -138,7 +137,8 @@ def test_queued_requests_are_admitted_when_every_running_one_finishes_in_the_sam
 @pytest.mark.parametrize("request_, message", [
     (EngineRequest([1, MASK_ID]), "contains the mask token id"),
     (EngineRequest([1, 2, 3], overrides={"max_new_tokens": 300}), "exceeds the engine's context of 256"),
-    (EngineRequest([1, 2, 3], "self_speculative", overrides={"do_sample": True}), "self-speculative decoding is greedy"),
+    (EngineRequest([1, 2, 3], "self_speculative", overrides={"do_sample": True}),
+     "self-speculative decoding is greedy"),
     (EngineRequest([1, 2], overrides={"schedule": lambda view, params: view.decided}), "named schedules"),
     (EngineRequest([1, 2], overrides={"block_alignment": "prompt"}), "absolute positions"),
     (EngineRequest([1, 2], overrides={"coreset": False}), "coreset setting"),

@@ -132,7 +132,8 @@ def test_generation_config_defaults_follow_the_model_type(clover_checkpoint, qwe
 
 
 def test_trajectory_is_refused_in_autoregressive_mode_and_a_missing_checkpoint_is_named(peaked, tmp_path):
-    with pytest.raises(ValueError, match="return_trajectory, return_history, on_block, streamer, on_step and progress are for diffusion decoding"):
+    with pytest.raises(ValueError, match="return_trajectory, return_history, on_block, streamer, on_step and progress "
+                                         "are for diffusion decoding"):
         generate(peaked, [[1, 2]], max_new_tokens=4, mode="autoregressive", return_trajectory=True)
     with pytest.raises(ValueError, match="no config.json in"):
         GenerationConfig.from_pretrained(tmp_path)

@@ -80,7 +80,7 @@ def test_simple_evaluate_answers_generate_until_with_generate(harness):
             expected.append(text.split("</think>")[-1].lstrip().split("<|im_end|>")[0])
     assert got == expected
     accuracy = results["results"]["clover_sort"]["exact_match,none"]
-    assert accuracy == sum(text == row["answer"] for text, row in zip(expected, rows)) / COUNT
+    assert accuracy == sum(text == row["answer"] for text, row in zip(expected, rows, strict=True)) / COUNT
 
 
 def test_loglikelihood_requests_are_refused_with_the_reason(harness):

@@ -81,7 +81,7 @@ def test_sweep_records_equal_direct_generate_calls_and_go_to_jsonl_and_csv(peake
     assert [(r.schedule, r.params, r.block_size) for r in records] == [
         ("low_confidence", {"threshold": 0.9}, 8), ("low_confidence", {"threshold": 0.4}, 8),
         ("fixed_k", {"tokens_per_step": 3}, 8)]
-    for threshold, result in zip((0.9, 0.4), records):
+    for threshold, result in zip((0.9, 0.4), records, strict=False):
         out = generate(peaked, PROMPTS, controls_config, max_new_tokens=12, schedule_params={"threshold": threshold})
         assert result.accuracy == 100.0 * sum(ends_with_eos(i, s) for i, s in enumerate(out.sequences)) / 2
         assert result.mean_nfe == sum(out.nfe) / 2

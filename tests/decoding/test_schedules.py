@@ -20,7 +20,7 @@ KNOBS = {"tokens_per_step": 2, "margin_threshold": 0.3, "entropy_bound": 1.0, "t
 SIZE = 8  # block size of the random steps
 
 
-def view(confidence, decided=None, margin=None, entropy=None, fixed=None, threshold=0.9, tokens=None,
+def view(confidence, *, decided=None, margin=None, entropy=None, fixed=None, threshold=0.9, tokens=None,
          candidates=None, step=0, post_fill_steps=0, key=0):
     size = len(confidence)
     as_bool = lambda x: jnp.asarray(x if x is not None else [False] * size)
@@ -97,7 +97,7 @@ def random_steps(count: int, seed: int):
     return p, decided, entropy, margin
 
 
-def batched_view(p, decided, entropy, margin, step=None, keys=None, tokens=None, candidates=None, fixed=None,
+def batched_view(p, decided, entropy, margin, *, step=None, keys=None, tokens=None, candidates=None, fixed=None,
                  post_fill_steps=None):
     count = p.shape[0]
     positions = jnp.broadcast_to(jnp.arange(SIZE, dtype=jnp.int32), (count, SIZE))
@@ -313,7 +313,7 @@ def test_joint_threshold_keeps_a_full_block_open_while_edits_change_it_within_th
     assert not schedules.joint_threshold(last_mask, dict(JOINT, max_post_edit_steps=0)).keep_open
 
 
-def np_joint_threshold(p, decided, fixed, tokens, candidates, post_fill_steps, threshold, edit_threshold, budget):
+def np_joint_threshold(p, decided, fixed, tokens, candidates, post_fill_steps, *, threshold, edit_threshold, budget):
     """SGLang's JointThreshold step, read from its description: (decided after, edited, keep open)."""
     masked = ~decided
     has_mask = bool(masked.any())
@@ -346,8 +346,9 @@ def test_joint_threshold_equals_its_numpy_reading_on_random_steps():
     result = run_batched(schedules.joint_threshold, steps, params)
     for c in range(count):
         after, edit, keep = np_joint_threshold(p[c], decided[c], fixed[c], tokens[c], candidates[c], int(post[c]),
-                                               params["threshold"][c], params["edit_threshold"][c],
-                                               int(params["max_post_edit_steps"][c]))
+                                               threshold=params["threshold"][c],
+                                               edit_threshold=params["edit_threshold"][c],
+                                               budget=int(params["max_post_edit_steps"][c]))
         assert decided_set(result.decided[c]) == after
         assert set(np.flatnonzero(result.edit[c])) == edit
         assert bool(result.keep_open[c]) is keep

@@ -164,7 +164,7 @@ def test_bundled_model_self_speculative_equals_autoregressive_on_200_held_out_pr
     autoregressive = generate(bundled, prompts, mode="autoregressive")
     assert out.sequences == autoregressive.sequences
     exact = np.mean([task.is_correct(problem, tokenizer.decode(sequence, skip_special_tokens=False))
-                     for problem, sequence in zip(problems, out.sequences)])
+                     for problem, sequence in zip(problems, out.sequences, strict=True)])
     assert exact >= 0.95
     assert np.mean(out.tokens_per_forward) >= 2.0
     accepted = Counter(a for trajectory in out.trajectory for a in trajectory["accepted"])

@@ -54,7 +54,8 @@ def cases(platform: str):
                 weights = (spec(values_shape, values_dtype), spec(scales_shape, scales_dtype))
             for rows in (TOKENS * TOP_K, 32 * TOP_K):
                 # As `clover_jax.nn.expert_dispatch.grouped_expert_mlp` calls it (kernel "auto").
-                args = (spec((rows, depth), bf16), weights[0], spec((EXPERTS,), i32)) + weights[1:2] * (quant is not None)
+                args = ((spec((rows, depth), bf16), weights[0], spec((EXPERTS,), i32))
+                        + weights[1:2] * (quant is not None))
                 yield (f"experts/{fmt or 'bf16'}/{name}/{rows}",
                        lambda lhs, rhs, sizes, *scales: grouped_matmul_for_platform(
                            platform, lhs, rhs, sizes, rhs_scales=scales[0] if scales else None), args)

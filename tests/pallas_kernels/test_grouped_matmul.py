@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (Tiles, grouped_matmul, grouped_matmul_for_platform, grouped_matmul_reference,
-                            work_tiles)
+from pallas_kernels import Tiles, grouped_matmul, grouped_matmul_for_platform, grouped_matmul_reference, work_tiles
 
 SMALL_TILES = Tiles(16, 16, 16)  # several tiles along every dimension of the small shapes below
 DEPTH, COLS = 32, 48
@@ -98,7 +97,8 @@ def test_work_list_names_only_active_groups_and_covers_exactly_their_rows():
     groups = np.asarray(schedule.groups)
     assert set(groups.tolist()) <= {0, 2, 5}, "no tile, used or not, may point at an inactive group's weights"
     covered = np.zeros(50, int)
-    for start, end in zip(np.asarray(schedule.row_starts)[:in_use], np.asarray(schedule.row_ends)[:in_use]):
+    for start, end in zip(np.asarray(schedule.row_starts)[:in_use], np.asarray(schedule.row_ends)[:in_use],
+                          strict=True):
         covered[start:end] += 1
     expected = np.zeros(50, int)
     expected[0:10] = expected[10:27] = expected[30:42] = 1

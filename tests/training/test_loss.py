@@ -73,7 +73,8 @@ def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight,
     examples = [(row, np.flatnonzero(segment[row] == number)) for row in range(2)
                 for number in np.unique(segment[row][segment[row] > 0])]
     ids = np.stack([np.pad(clean[row, where], (L - len(where), 0)) for row, where in examples])
-    trained = np.stack([np.pad(np.asarray(rows.next_token)[row, where], (L - len(where), 0)) for row, where in examples])
+    next_token = np.asarray(rows.next_token)
+    trained = np.stack([np.pad(next_token[row, where], (L - len(where), 0)) for row, where in examples])
     state = empty_state(passes.config, len(examples), L, jnp.float32, np.asarray([L - len(w) for _, w in examples]))
     causal = passes.causal(params, jnp.asarray(ids), state).logits
     next_nll = cross_entropy(causal[:, :-1], ids[:, 1:])

@@ -6,8 +6,15 @@ import pytest
 
 from clover_jax.training.chat_format import CHAT_TEMPLATE, render_chat
 from clover_jax.training.task import SortDigits
-from clover_jax.training.vocabulary import (ENDOFTEXT, IM_END, MASK, SPECIAL_TOKENS, build_tokenizer,
-                                            special_token_ids, write_tokenizer_files)
+from clover_jax.training.vocabulary import (
+    ENDOFTEXT,
+    IM_END,
+    MASK,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    special_token_ids,
+    write_tokenizer_files,
+)
 
 TASK = SortDigits()
 CONVERSATIONS = [

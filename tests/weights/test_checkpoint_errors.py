@@ -103,7 +103,8 @@ def test_index_pointing_at_a_missing_shard_names_it(fused_checkpoint, tmp_path):
 
     target = shutil.copytree(fused_checkpoint, tmp_path / "fused")
     os.remove(target / "model-00002-of-00002.safetensors")
-    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors is listed in the index but does not exist"):
+    with pytest.raises(CheckpointError,
+                       match="model-00002-of-00002.safetensors is listed in the index but does not exist"):
         load(str(target))
 
 

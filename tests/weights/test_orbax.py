@@ -17,8 +17,14 @@ import pytest
 
 from clover_jax.core.config import CloverConfig
 from tests.conftest import read_config
-from weights import CheckpointError, convert_to_orbax, is_orbax_checkpoint, load_orbax_params, load_params
-from weights import orbax_checkpoint
+from weights import (
+    CheckpointError,
+    convert_to_orbax,
+    is_orbax_checkpoint,
+    load_orbax_params,
+    load_params,
+    orbax_checkpoint,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -338,5 +344,5 @@ def test_a_quantised_conversion_loads_without_quantising_again(clover_checkpoint
     assert is_quantized(loaded.params["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"])
     assert jax.tree.structure(loaded.params, is_leaf=is_quantized) == jax.tree.structure(expected.params,
                                                                                         is_leaf=is_quantized)
-    for ours, theirs in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected.params)):
+    for ours, theirs in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected.params), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))

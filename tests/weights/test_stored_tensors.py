@@ -66,7 +66,8 @@ def check_backbone(expect: Expect, stored: dict, config: CloverConfig) -> None:
         group, slot = divmod(layer, pattern)
         where = ("groups", f"layer_{slot}")
 
-        def same(path: str, suffix: str, index: tuple = (), take=lambda tensor: tensor) -> None:
+        def same(path: str, suffix: str, index: tuple = (), take=lambda tensor: tensor,
+                 layer=layer, group=group, where=where) -> None:  # this layer's, bound
             name = f"model.layers.{layer}.{suffix}"
             expect.equal(where + tuple(path.split("/")), (group,) + index, take(stored[name]), name)
 

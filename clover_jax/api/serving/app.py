@@ -105,9 +105,9 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             return _sse(_completion_stream(reply, submissions, texts, completion.sampling.include_usage))
         messages = [Message() for _ in prepared]
         events = await asyncio.gather(*(_collect(request, s, t, m.add)
-                                        for s, t, m in zip(submissions, texts, messages)))
+                                        for s, t, m in zip(submissions, texts, messages, strict=True)))
         return reply.body([{"index": i, "text": m.text, "logprobs": None, "finish_reason": reply.finish(e, t)}
-                           for i, (m, e, t) in enumerate(zip(messages, events, texts))], events)
+                           for i, (m, e, t) in enumerate(zip(messages, events, texts, strict=True))], events)
 
     return app
 

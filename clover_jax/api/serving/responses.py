@@ -118,7 +118,8 @@ class Message:
         return "".join(self.content)
 
     def as_openai(self) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": self.text if (self.content or not self.calls) else None}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": self.text if (self.content or not self.calls) else None}
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         if self.calls:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZES = (16, 32, 64)
 
 
-def build_service(path: str, name: str | None = None, max_running: int = 8, max_queue: int = 64,
+def build_service(path: str, *, name: str | None = None, max_running: int = 8, max_queue: int = 64,
                   max_context: int | None = None, block_sizes: tuple[int, ...] | None = None, dtype=None,
                   revision: str | None = None, progress: bool = False) -> Service:
     """Load the checkpoint (a directory or a Hub id) and start its engine.

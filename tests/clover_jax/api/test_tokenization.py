@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from clover_jax.api import tokenization
-from clover_jax.core.config import ConfigError
 from clover_jax.api.tokenization import ChatTemplateError, Tokenizer, TokenizerConfigError, TokenizerError
+from clover_jax.core.config import ConfigError
 
 # Qwen3's template, trimmed of tool calls, with the Qwen3.5/3.6 generation prompt: thinking on
 # opens "<think>\n", thinking off gives an empty think block.
@@ -62,7 +62,7 @@ QWEN_STYLE_TEMPLATE = """\
         {{- '<think>\\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501 (Qwen3's template, line for line)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CORPUS = [

@@ -109,7 +109,8 @@ def test_a_hub_id_loads_model_generation_config_and_tokenizer_from_the_cache(off
     assert Path(model.path) == snapshot
     import jax
 
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(local.params)))
+    assert all(np.array_equal(a, b)
+               for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(local.params), strict=True))
     assert GenerationConfig.from_pretrained(REPO) == GenerationConfig.from_pretrained(BUNDLED)
     messages = [{"role": "user", "content": "sort 3 1 2"}]
     assert Tokenizer.from_pretrained(REPO).apply_chat_template(messages, add_generation_prompt=True) == \

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout, param_layout
 from clover_jax.core.params import PARAMS, param_rows, parameter_counts
 from clover_jax.nn.model import param_shapes
-from clover_jax.core.param_layout import flat_layout, param_layout
 from clover_jax.parallel.sharding import param_logical_axes
 from tests.checkpoints import TIED_ONE_TO_ONE
 

@@ -48,9 +48,10 @@ def test_plan_bytes_equal_the_loaded_arrays(quantized, clover):
     is_quantized = lambda leaf: isinstance(leaf, QuantizedWeight)
     actual = sum(leaf.values.nbytes + leaf.scales.nbytes if is_quantized(leaf) else leaf.nbytes
                  for leaf in jax.tree.leaves(quantized.params, is_leaf=is_quantized))
+    from jax.sharding import AbstractMesh
+
     from clover_jax.parallel.planner import weight_bytes_per_device
     from clover_jax.parallel.sharding import MESH_AXES, MeshSharding
-    from jax.sharding import AbstractMesh
 
     spec = next(leaf for leaf in jax.tree.leaves(quantized.params, is_leaf=is_quantized) if is_quantized(leaf))
     parsed = QuantSpec(8) if spec.bits == 8 else QuantSpec(4, 8, dense=True)

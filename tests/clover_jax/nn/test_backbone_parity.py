@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from clover_jax import CloverModel
+from clover_jax.core.passes import PassMode
+from clover_jax.core.state import empty_state, rows_for, slot_name
 from clover_jax.nn.attention import GatedAttention
 from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.nn.model import DecoderLayer
 from clover_jax.nn.moe import SparseMoE
-from clover_jax.core.state import empty_state, rows_for, slot_name
-from clover_jax.core.passes import PassMode
 from tests.conftest import token_ids
 
 TOLERANCE = 1e-4

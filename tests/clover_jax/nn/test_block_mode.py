@@ -100,7 +100,7 @@ def test_prefill_then_commit_equals_one_longer_prefill(clover):
     assert int(in_turn.length) == int(at_once.length) == 13
     # Float32 rounding differs between the two ways of cutting the rows (GDN chunks of 5 + 8 vs 13
     # rows, matmuls of other shapes); through eight random layers it reaches 2e-5 here.
-    for left, right in zip(jax.tree.leaves(in_turn), jax.tree.leaves(at_once)):
+    for left, right in zip(jax.tree.leaves(in_turn), jax.tree.leaves(at_once), strict=True):
         np.testing.assert_allclose(left, right, atol=5e-5, rtol=1e-5)
 
 
@@ -113,7 +113,7 @@ def test_fused_commit_and_denoise_equals_doing_both_in_turn(clover):
     separate = clover.denoise(committed, nxt)
     np.testing.assert_allclose(fused.logits, separate.logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(fused.distinct_experts, separate.distinct_experts)
-    for left, right in zip(jax.tree.leaves(fused_state), jax.tree.leaves(committed)):
+    for left, right in zip(jax.tree.leaves(fused_state), jax.tree.leaves(committed), strict=True):
         np.testing.assert_allclose(left, right, atol=1e-5, rtol=1e-5)
 
 
@@ -138,8 +138,10 @@ def test_clover_tensors_load_and_defaults_are_logged(clover, clover_checkpoint, 
 
     stored = load_file(f"{clover_checkpoint}/model.safetensors")
     linear = clover.params["groups"]["layer_1"]["linear_attn"]
-    np.testing.assert_array_equal(linear["conv1d_right_weight"][1], stored["model.layers.5.linear_attn.conv1d_right.weight"][:, 0])
-    np.testing.assert_array_equal(linear["memory_logit_bias"][0], stored["model.layers.1.linear_attn.memory_logit_bias"])
+    np.testing.assert_array_equal(linear["conv1d_right_weight"][1],
+                                  stored["model.layers.5.linear_attn.conv1d_right.weight"][:, 0])
+    np.testing.assert_array_equal(linear["memory_logit_bias"][0],
+                                  stored["model.layers.1.linear_attn.memory_logit_bias"])
 
     with caplog.at_level("INFO"):
         base = CloverModel.from_pretrained(qwen36_checkpoint, progress=False)

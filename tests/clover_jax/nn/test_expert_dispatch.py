@@ -73,7 +73,8 @@ def test_experts_held_one_buffer_each_give_the_stacked_result(num_tokens, strate
     tokens, expert_ids, weights, gate_up, down = case(num_tokens, 6, 2, seed=num_tokens)
     if bits is not None:
         gate_up, down = (quantize(np.asarray(w), QuantSpec(bits=bits)) for w in (gate_up, down))
-    one_each = tuple(tuple(jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf[expert]), w) for expert in range(6))
+    one_each = tuple(tuple(jax.tree_util.tree_map(lambda leaf, expert=expert: jnp.asarray(leaf[expert]), w)
+                           for expert in range(6))
                      for w in (gate_up, down))
     assert per_expert(one_each[0]) and not per_expert(gate_up)
     dispatch = jax.jit(functools.partial(routed_expert_mlp, strategy=strategy))
@@ -83,5 +84,6 @@ def test_experts_held_one_buffer_each_give_the_stacked_result(num_tokens, strate
     local_ids = jnp.where(expert_ids < 4, expert_ids, 6)
     np.testing.assert_allclose(
         dispatch(tokens, local_ids, weights, *(w[:4] for w in one_each)),
-        dispatch(tokens, local_ids, weights, *(jax.tree_util.tree_map(lambda leaf: leaf[:4], w) for w in (gate_up, down))),
+        dispatch(tokens, local_ids, weights,
+                 *(jax.tree_util.tree_map(lambda leaf: leaf[:4], w) for w in (gate_up, down))),
         atol=1e-6, rtol=1e-6)

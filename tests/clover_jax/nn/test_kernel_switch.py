@@ -9,8 +9,8 @@ import pytest
 
 from clover_jax import CloverModel
 from clover_jax.core import kernels
-from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from clover_jax.core.kernels import ExpertRule, GDNRule, KernelChoice, choose_kernels
+from clover_jax.nn.expert_dispatch import grouped_expert_mlp, routed_expert_mlp
 from tests.conftest import MASK_ID, token_ids
 
 
@@ -66,7 +66,7 @@ def test_cpu_runs_each_expert_from_its_own_buffer_sharing_the_stack(clover):
         first = clover.passes.causal(params, ids[:, :6], clover.passes.new_state(1, 8))
         return first.logits, clover.passes.causal(params, ids[:, 6:], first.state).logits
 
-    for expected, got in zip(two_passes(clover.run_params), two_passes(split)):
+    for expected, got in zip(two_passes(clover.run_params), two_passes(split), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -118,15 +118,17 @@ def test_each_hot_spot_is_resolved_once_into_the_rule_that_runs():
 
 
 def test_the_rollback_reruns_the_gdn_rule_with_the_chunk_of_the_recording_pass(monkeypatch):
-    from clover_jax.nn import rollback
     from clover_jax.core.state import GDNRecord
+    from clover_jax.nn import rollback
 
     chunks = []
     monkeypatch.setattr(rollback, "chunked_gated_delta_rule",
                         lambda *args, chunk_size: chunks.append(chunk_size) or (None, args[-1]))
     groups, batch, rows, heads, dim, conv = 1, 1, 24, 2, 4, 3
-    record = GDNRecord(window=jnp.zeros((groups, batch, conv + rows, 8)), initial=jnp.zeros((groups, batch, heads, dim, dim)),
-                       key=jnp.zeros((groups, batch, rows, heads, dim)), value=jnp.zeros((groups, batch, rows, heads, dim)),
+    record = GDNRecord(window=jnp.zeros((groups, batch, conv + rows, 8)),
+                       initial=jnp.zeros((groups, batch, heads, dim, dim)),
+                       key=jnp.zeros((groups, batch, rows, heads, dim)),
+                       value=jnp.zeros((groups, batch, rows, heads, dim)),
                        decay=jnp.zeros((groups, batch, rows, heads)), beta=jnp.zeros((groups, batch, rows, heads)))
     for choice, expected in ((KernelChoice(), 32), (KernelChoice(gdn_chunk=8), 8),
                              (KernelChoice("online_softmax", "pallas", "pallas", "tpu"), 64)):

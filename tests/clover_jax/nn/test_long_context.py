@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from clover_jax import CloverModel
-from clover_jax.nn.fused_attention import fused_attention
-from clover_jax.nn.online_attention import array_segment, online_attention
 from clover_jax.core.state import empty_state
+from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.nn.model import TransformerPasses
+from clover_jax.nn.online_attention import array_segment, online_attention
 from decoding import generate
 from tests.conftest import MASK_ID, token_ids
 
@@ -74,7 +74,7 @@ def test_chunked_prefill_equals_one_pass(clover, length, chunk):
     chunked_logits, chunked = prefill(clover.params, ids, state, chunk_size=chunk, logits="all")
     np.testing.assert_allclose(chunked_logits, whole_logits, atol=1e-4, rtol=1e-4)
     assert int(chunked.length) == int(whole.length) == length
-    for left, right in zip(jax.tree.leaves(chunked.layers), jax.tree.leaves(whole.layers)):
+    for left, right in zip(jax.tree.leaves(chunked.layers), jax.tree.leaves(whole.layers), strict=True):
         np.testing.assert_allclose(left, right, atol=1e-4, rtol=1e-4)
 
 

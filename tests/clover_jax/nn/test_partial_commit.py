@@ -56,7 +56,7 @@ def test_each_sequence_commits_or_denoises_as_alone(model):
         np.testing.assert_allclose(out.logits[i], alone.logits[0], rtol=1e-5, atol=1e-5)
         filled = int(out.state.length[i])
         for name, layer in out.state.layers.items():
-            for field, got, want in zip(layer._fields, layer, expected_state.layers[name]):
+            for field, got, want in zip(layer._fields, layer, expected_state.layers[name], strict=True):
                 got, want = np.asarray(got)[:, i], np.asarray(want)[:, 0]
                 if field in ("key", "value"):  # rows past the fill are never read
                     got, want = got[:, :filled], want[:, :filled]

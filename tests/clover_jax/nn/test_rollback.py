@@ -9,9 +9,9 @@ import pytest
 
 from clover_jax import CloverModel
 from clover_jax.api.clover_model import run_pass
+from clover_jax.core.state import GDNState, KVCache, RecordingGDN, empty_state
 from clover_jax.nn.model import CloverTransformer, TransformerPasses
 from clover_jax.nn.rollback import recording, rolled_back
-from clover_jax.core.state import GDNState, KVCache, RecordingGDN, empty_state
 from tests.conftest import token_ids
 
 PREFIX = 11  # longest prompt of the batch (others are left-padded)
@@ -75,7 +75,7 @@ def test_rollback_to_every_row_equals_a_fresh_causal_pass(request, which, layer_
             for b in range(batch):  # each sequence's real rows, wherever its padding put them
                 mine = slice(start[b], PREFIX + keep[b])
                 reference = slice(fresh_start[b], PREFIX + ROWS)
-                for ours_leaf, theirs_leaf in zip(ours, theirs):
+                for ours_leaf, theirs_leaf in zip(ours, theirs, strict=True):
                     np.testing.assert_allclose(ours_leaf[:, b, mine], theirs_leaf[:, b, reference],
                                                **STATE, err_msg=f"{name} sequence {b}")
         else:

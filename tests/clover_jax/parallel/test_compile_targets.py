@@ -65,7 +65,8 @@ def test_the_compilers_sit_off_the_import_path_so_importing_and_decoding_stay_qu
     assert installed(), f"python -m clover_jax.parallel.compilers install (make test does) → {compilers_dir()}"
     environment = {key: value for key, value in os.environ.items() if not key.startswith(("JAX_", "XLA_"))}
     environment["CLOVER_JAX_CACHE_DIR"] = ""
-    script = ("import importlib.util, clover_jax, jax; from clover_jax import CloverModel; from decoding import generate\n"
+    script = ("import importlib.util, clover_jax, jax; from clover_jax import CloverModel; "
+              "from decoding import generate\n"
               "model = CloverModel.from_pretrained(clover_jax.bundled_model_path(), progress=False)\n"
               "out = generate(model, [[10, 11, 12]], max_new_tokens=8)\n"
               "print(jax.default_backend(), importlib.util.find_spec('libtpu') is None, "

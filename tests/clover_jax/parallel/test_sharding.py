@@ -205,5 +205,5 @@ def test_bad_meshes_are_refused_before_loading(clover_checkpoint, clover):
     mesh_sharding = MeshSharding(mesh, clover.config)
     assert mesh_sharding.spec(("batch", "experts")) == jax.sharding.PartitionSpec(None, None)
     with pytest.raises(ValueError, match="num_experts=8 does not divide"):
-        MeshSharding(jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 3).reshape(1, 3, 1)[:, :3], ("data", "expert", "tensor")),
-                 clover.config)
+        MeshSharding(jax.sharding.Mesh(np.asarray(jax.devices()[:1] * 3).reshape(1, 3, 1)[:, :3],
+                                       ("data", "expert", "tensor")), clover.config)

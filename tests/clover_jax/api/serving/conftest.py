@@ -18,7 +18,7 @@ def start(path: str, name: str, **options):
     from clover_jax.api.serving.server import ServerThread, build_service
 
     app_options = {key: options.pop(key) for key in ("api_key", "max_body_bytes") if key in options}
-    service = build_service(path, name, **options)
+    service = build_service(path, name=name, **options)
     return ServerThread(create_app(service, **app_options)), service
 
 

@@ -33,7 +33,8 @@ def harness(tmp_path_factory, bundled_server):
         root = tmp_path_factory.mktemp("lm_eval_server_tasks")
         data = root / "sort.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n  cache_dir: {root / 'cache'}\n"
+        common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                  f"  cache_dir: {root / 'cache'}\n"
                   "test_split: test\noutput_type: generate_until\ndoc_to_target: '{{answer}}'\n"
                   f"generation_kwargs:\n  until: ['<|im_end|>']\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
                   "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
@@ -76,4 +77,4 @@ def test_lm_eval_openai_models_against_the_server(bundled_server, harness, kind)
     metric = "exact_match,none" if kind == "chat" else "exact_match,answer"
     answers = [text.split("</think>")[-1].strip() for text in texts]
     assert results["results"][f"clover_sort_{kind}"][metric] == sum(
-        answer == row["answer"] for answer, row in zip(answers, rows)) / COUNT
+        answer == row["answer"] for answer, row in zip(answers, rows, strict=True)) / COUNT

@@ -77,12 +77,14 @@ CASES = [
     # the prompt opened <think>; the JSON form; text after the calls
     ("I need Paris first.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
      "\"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"write_file\", \"arguments\": {}}\n</tool_call>\n\nDone.",
-     True, TOOLS, ("Done.", "I need Paris first.", [("get_weather", {"city": "Paris", "days": 2}), ("write_file", {})])),
+     True, TOOLS,
+     ("Done.", "I need Paris first.", [("get_weather", {"city": "Paris", "days": 2}), ("write_file", {})])),
     # no reasoning, text that only looks like tags, and a call still open when the answer ends
     ("a <b> c < d <tool_cal x\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n", False,
      TOOLS, ("a <b> c < d <tool_cal x", None, [("get_weather", {"city": "Rome"})])),
     # broken JSON in a call is text; tools not given: tags are plain text
-    ("<tool_call>\n{\"name\": oops}\n</tool_call>", False, TOOLS, ("<tool_call>\n{\"name\": oops}\n</tool_call>", None, [])),
+    ("<tool_call>\n{\"name\": oops}\n</tool_call>", False, TOOLS,
+     ("<tool_call>\n{\"name\": oops}\n</tool_call>", None, [])),
     ("<think>\n\n</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call>", False, None,
      ("<tool_call>\n<function=f>\n</function>\n</tool_call>", None, [])),
 ]
@@ -104,7 +106,7 @@ def parse(text: str, opened: bool, tools, cuts: list[int]) -> tuple[Message, lis
     """Feed `text` cut at `cuts`; returns the assembled message and every delta."""
     choice = ChoiceText(CharTokenizer(), [], reasoning=opened, tools=tools)
     ids, deltas = CharTokenizer.encode(text), []
-    for start, end in zip([0] + cuts, cuts + [len(ids)]):
+    for start, end in zip([0] + cuts, cuts + [len(ids)], strict=True):
         deltas += choice.push(ids[start:end])
     deltas += choice.finish()
     message = Message()
@@ -167,7 +169,7 @@ def test_stop_strings_cut_where_they_start_at_any_boundary(stops):
     expected = text[:min(positions)] if positions else text
     for cuts in [[]] + [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]:
         stop = StopStrings(stops)
-        sent = "".join(stop.push(text[a:b]) for a, b in zip([0] + cuts, cuts + [len(text)])) + stop.flush()
+        sent = "".join(stop.push(text[a:b]) for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)) + stop.flush()
         assert sent == expected and stop.stopped == bool(positions)
 
 
@@ -177,7 +179,7 @@ def test_incremental_decoding_puts_together_the_decoded_text():
 
     tokenizer = Tokenizer.from_pretrained(clover_jax.bundled_model_path())
     rng = np.random.default_rng(0)
-    for trial in range(50):
+    for _trial in range(50):
         ids = rng.integers(0, tokenizer.vocab_size, rng.integers(1, 60)).tolist()
         decoder, pieces, start = IncrementalDecoder(tokenizer), [], 0
         while start < len(ids):

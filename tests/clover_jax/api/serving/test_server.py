@@ -66,7 +66,8 @@ def test_chat_equals_generate_and_the_stream_equals_the_whole(bundled_server):
     response = client(server).chat.completions.create(model="tiny-clover", max_tokens=32,
                                                       messages=[{"role": "user", "content": SORTS[0]}])
     message = response.choices[0].message
-    assert (message.content, message.model_extra["reasoning_content"]) == (answer, reasoning) == ("1 1 3 4 5", "5 digits")
+    assert (message.content, message.model_extra["reasoning_content"]) == (answer, reasoning) \
+        == ("1 1 3 4 5", "5 digits")
     assert response.choices[0].finish_reason == "stop"
     assert response.usage.completion_tokens == len(out.sequences[0])
     clover = response.model_extra["clover"]
@@ -111,7 +112,7 @@ def test_eight_concurrent_requests_equal_their_sequential_answers(bundled_server
     together = [r.choices[0].message for r in asyncio.run(concurrently())]
     assert [(m.content, m.model_extra["reasoning_content"]) for m in together] == \
         [(m.content, m.model_extra["reasoning_content"]) for m in sequential]
-    for sort, message in zip(SORTS, together):
+    for sort, message in zip(SORTS, together, strict=True):
         digits = sorted(int(d) for d in sort.split()[1:])
         assert message.content == " ".join(map(str, digits))  # the bundled model's task, answered
     assert service.engine.running() == 0
@@ -203,7 +204,8 @@ def test_malformed_json_and_completion_refusals(bundled_server):
     post = lambda path, content: httpx.post(server.url + path, content=content, timeout=60,
                                             headers={"Content-Type": "application/json"})
     assert post("/v1/chat/completions", b"{not json").status_code == 400
-    assert post("/v1/chat/completions", b"[1, 2]").json()["error"]["message"] == "the request body must be a JSON object"
+    assert post("/v1/chat/completions", b"[1, 2]").json()["error"]["message"] == \
+        "the request body must be a JSON object"
     for change, param in [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
                           ({"prompt": []}, "prompt"), ({"prompt": [[1, 2], "x", 3]}, "prompt")]:
         body = {"model": "tiny-clover", "prompt": "sort 3 1", "max_tokens": 4, **change}
@@ -284,7 +286,7 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
         """Delivers the injected text's tokens in the pieces given, as the engine would."""
 
         def __init__(self, ids, cuts):
-            bounds = list(zip([0] + cuts, cuts + [len(ids)]))
+            bounds = list(zip([0] + cuts, cuts + [len(ids)], strict=True))
             stats = RequestStats(3, len(ids), 4, [2, 2])
             self.items = [EngineEvent(ids[a:b]) for a, b in bounds[:-1]] + \
                 [EngineEvent(ids[bounds[-1][0]:], "eos", stats)]
