@@ -24,7 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def setup_environment() -> None:
     """Call before importing jax or torch: CPU JAX, repository on the path, torch threads that
     sleep instead of spinning (torch's OpenMP workers spin-wait after each op and starve XLA's
-    threads on a small machine, see README "Notes for CPU users")."""
+    threads on a small machine, see docs/performance.md, "Notes for CPU users")."""
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "CloverModel": "clover_jax.api.clover_model",
+    "Tokenizer": "clover_jax.api.tokenization",
     "CloverConfig": "clover_jax.core.config",
     "ConfigError": "clover_jax.core.config",
     "choose_kernels": "clover_jax.core.kernels",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
     from clover_jax.api.clover_model import CloverModel as CloverModel
     from clover_jax.api.plan import plan as plan
+    from clover_jax.api.tokenization import Tokenizer as Tokenizer
     from clover_jax.core.config import CloverConfig as CloverConfig, ConfigError as ConfigError
     from clover_jax.core.kernels import choose_kernels as choose_kernels
     from clover_jax.core.quantization import QuantSpec as QuantSpec

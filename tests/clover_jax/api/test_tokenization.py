@@ -1,6 +1,6 @@
-"""`clover_jax.api.tokenization` against transformers: chat templates render to the same text and ids,
-and every name the two share returns what transformers returns. Hostile tokenizer configs and chat
-templates are one-line errors.
+"""`clover_jax.api.tokenization` and its chat-template sandbox (`clover_jax.api.chat_templates`)
+against transformers: chat templates render to the same text and ids, and every name the two share
+returns what transformers returns. Hostile tokenizer configs and chat templates are one-line errors.
 
 The helpers at the top write a tokenizer (byte-level BPE built with `tokenizers`, Qwen's special
 tokens, a Qwen3-style chat template with `enable_thinking`) and a tiny random Clover checkpoint
@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from clover_jax.api import tokenization
+from clover_jax.api import chat_templates, tokenization
 from clover_jax.api.tokenization import ChatTemplateError, Tokenizer, TokenizerConfigError, TokenizerError
 from clover_jax.core.config import ConfigError
 
@@ -257,7 +257,7 @@ def test_has_chat_template_sees_the_template_wherever_the_tokenizer_reads_it(tok
 def test_the_training_chat_format_renders_in_the_one_bounded_sandbox(monkeypatch):
     from clover_jax.training.chat_format import render_chat
 
-    monkeypatch.setattr(tokenization, "MAX_TEMPLATE_STEPS", 50)
+    monkeypatch.setattr(chat_templates, "MAX_TEMPLATE_STEPS", 50)
     with pytest.raises(ChatTemplateError, match="more than 50 loop iterations"):
         render_chat([{"role": "user", "content": "sort 1 2"}], template="{% for i in range(100) %}{% endfor %}")
     with pytest.raises(ChatTemplateError, match="A system message must come first"):
@@ -427,7 +427,7 @@ def test_a_pathological_chat_template_is_a_one_line_error(pair, monkeypatch, tem
     import time
 
     ours, _ = pair
-    monkeypatch.setattr(tokenization, "MAX_TEMPLATE_STEPS", FEW_STEPS)
+    monkeypatch.setattr(chat_templates, "MAX_TEMPLATE_STEPS", FEW_STEPS)
     started = time.perf_counter()
     try:
         ours.apply_chat_template(CONVERSATIONS["single"], chat_template=template, tokenize=False)
@@ -443,7 +443,7 @@ def test_a_pathological_chat_template_is_a_one_line_error(pair, monkeypatch, tem
 
 def test_templates_within_the_bounds_render_as_in_transformers(pair, monkeypatch):
     ours, theirs = pair
-    monkeypatch.setattr(tokenization, "MAX_TEMPLATE_STEPS", FEW_STEPS)
+    monkeypatch.setattr(chat_templates, "MAX_TEMPLATE_STEPS", FEW_STEPS)
     template = ("{% for m in messages %}{% for i in range(3) %}{{ m.role ~ i }}{% endfor %}{{ m.content|center(30) }}"
                 "{{ ('-' * 5) + '%3d' % 7 }}{{ ([m.role] * 2) | join(',') }}{% endfor %}{{ 2 ** 10 }}")
     messages = CONVERSATIONS["multi_turn"]
