@@ -135,8 +135,9 @@ def task_controls(recipe: Recipe) -> dict[str, Any]:
 
 
 # `make demo-train`: the base converted into a Clover with `clover-jax train` (scripts/demo_train.py).
-CONVERSION = FinetuneConfig(steps=600, batch_size=8, seq_len=128, block_size=16, learning_rate=2e-3,
-                            warmup_steps=20, log_every=25, generation_config=task_controls(Recipe()))
+CONVERSION = FinetuneConfig(steps=750, batch_size=8, seq_len=128, block_size=16, learning_rate=3e-3,
+                            warmup_steps=20, load_balance_weight=0.0, log_every=25,
+                            generation_config=task_controls(Recipe()))
 
 
 def conversion_flags(config: FinetuneConfig = CONVERSION) -> list[str]:
