@@ -149,3 +149,22 @@ def test_chunked_cross_entropy_has_the_value_and_gradient_of_the_whole_logits():
 def cross_entropy_with(logits, targets, excluded):
     logits = logits.at[..., excluded].set(-jnp.inf)
     return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+def test_remat_recomputes_the_layer_groups_to_the_same_loss_and_gradient(model):
+    rows = packed_rows()
+    _, maskable = block_rows(rows, B)
+    noise = draw_noise(jax.random.key(5), maskable, min_ratio=1e-3, complementary=True)
+    count = Normalisers(jnp.float32(10.0), jnp.float32(10.0))
+    settings = LossSettings(block_size=B, mask_token_id=MASK_ID, coreset=True)
+
+    def gradient(remat):
+        module = training_module(model.module, remat=remat)
+        loss = lambda params: loss_parts(params, module, rows, noise, count, settings=settings,
+                                         coreset_top_p=jnp.float32(0.9)).loss
+        return jax.jit(jax.value_and_grad(loss))(model.params)
+
+    (plain, plain_grads), (remat, remat_grads) = gradient(False), gradient(True)
+    np.testing.assert_allclose(float(remat), float(plain), rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -18,6 +18,11 @@ from clover_jax.nn.moe import SparseMoE
 from tests.conftest import token_ids
 
 TOLERANCE = 1e-4
+# End to end, float32 rounding compounds through eight layers (the GDN recurrences amplify it): against a float64
+# naive loop (tests/reference_model.py) on these weights our logits are 1.3e-4 off and transformers' float32 ones
+# 6.2e-5, on logits of magnitude 4, so two correct float32 implementations differ by up to ~1.4e-4 here (3.5e-5 of
+# the logit scale; XLA:CPU 0.10.2). The bound is relative to that scale; a wrong layer is off by 1e-2 or more.
+LOGIT_TOLERANCE = 5e-5
 LENGTH = 70  # more than one 64-token GDN chunk
 
 
@@ -102,7 +107,7 @@ def test_logits_match_transformers(clover_model, hf_model):
     logits = clover_model.forward(ids)
     assert logits.dtype == jnp.float32 and logits.shape == (2, LENGTH, clover_model.config.vocab_size)
     assert float(reference.abs().max()) > 1.0  # the comparison is of real signal, not near-zeros
-    assert max_difference(logits, reference) <= TOLERANCE
+    assert max_difference(logits, reference) <= LOGIT_TOLERANCE * float(reference.abs().max())
 
 
 def test_fused_multimodal_layout_gives_the_same_logits(fused_checkpoint, hf_model, caplog):
@@ -112,7 +117,7 @@ def test_fused_multimodal_layout_gives_the_same_logits(fused_checkpoint, hf_mode
     ids = token_ids(2, LENGTH, model.config.vocab_size, seed=4)
     with torch.no_grad():
         reference = hf_model(torch.from_numpy(ids).long()).logits
-    assert max_difference(model.forward(ids), reference) <= TOLERANCE
+    assert max_difference(model.forward(ids), reference) <= LOGIT_TOLERANCE * float(reference.abs().max())
 
 
 def test_tied_embeddings_checkpoint_matches_transformers(tied_checkpoint):

@@ -87,3 +87,30 @@ def test_experts_held_one_buffer_each_give_the_stacked_result(num_tokens, strate
         dispatch(tokens, local_ids, weights,
                  *(jax.tree_util.tree_map(lambda leaf: leaf[:4], w) for w in (gate_up, down))),
         atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, only_experts", [
+    (3, 64, 2, None),           # most experts unused: their gradients stay zero
+    (200, 6, 2, None),          # multi-row tiles, partial last tiles
+    (97, 12, 3, [0, 4, 11]),    # empty groups between full ones
+])
+def test_the_expert_loop_backward_equals_the_dense_gradient(num_tokens, num_experts, top_k, only_experts):
+    """The loop's written-out backward (what training runs) gives the gradient of every input that
+    autodiff of the dense oracle gives, dropped pairs (ids past the experts held) and zero weights included."""
+    tokens, expert_ids, weights, gate_up, down = case(num_tokens, num_experts, top_k, seed=3,
+                                                     only_experts=only_experts)
+    expert_ids = expert_ids.at[::5, -1].set(num_experts)  # not held here: dropped
+    weights = weights.at[::7, 0].set(0.0)                 # a coreset's zero-weight choice
+    cotangent = jnp.asarray(np.random.RandomState(4).randn(num_tokens, HIDDEN), jnp.float32)
+
+    def loss(function, *args):
+        return jnp.sum(function(*args) * cotangent)
+
+    held = lambda t, i, w, g, d: dense_oracle(t, jnp.minimum(i, num_experts - 1), w * (i < num_experts), g, d)
+    ours = jax.grad(functools.partial(loss, lambda t, w, g, d: routed_expert_mlp(t, expert_ids, w, g, d,
+                                                                                  strategy="loop")),
+                    argnums=(0, 1, 2, 3))(tokens, weights, gate_up, down)
+    expected = jax.grad(functools.partial(loss, lambda t, w, g, d: held(t, expert_ids, w, g, d)),
+                        argnums=(0, 1, 2, 3))(tokens, weights, gate_up, down)
+    for got, want in zip(ours, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
