@@ -361,6 +361,7 @@ def render_training(j: dict):
     lines.append("")
     lines.append(f"{j['model']} model, batch {j['batch']} x {j['seq_len']} tokens, block {j['block_size']}; "
                  f"masked diffusion targets/s ratio {f(j['diffusion_targets_ratio'])}.")
+    lines.append("")
     return lines, [["training", "one pass / one block per example, supervised tokens/s",
                     f(j["checks"][0]["value"])],
                    ["training", "one-pass step / its roofline bound", f(j["step_over_roofline"])]]

@@ -87,7 +87,8 @@ def main(argv=None) -> None:
                                rng=np.random.default_rng(1))
         rows = TrainRows(*(jnp.asarray(array) for array in packed[:5]), jnp.asarray(blocks))
         norm = normalisers(rows, block)
-        holder = {"state": init_state(program.optimizer, model.params)}
+        # a copy per run: the step donates its state, and the state would otherwise share the model's arrays
+        holder = {"state": init_state(program.optimizer, jax.tree.map(jnp.copy, model.params))}
 
         def run(program=program, rows=rows, norm=norm, holder=holder):
             holder["state"], metrics = train_step(holder["state"], rows, key, norm, top_p, program=program)

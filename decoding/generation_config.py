@@ -77,7 +77,7 @@ class GenerationConfig:
     mask_token_id: int | None = None
     think_start_token_id: int | None = None
     think_end_token_id: int | None = None
-    # clover-jax additions (documented in README "Decoding"):
+    # clover-jax additions (documented in docs/design.md §4):
     block_alignment: str = "absolute"      # or "prompt": every block starts right after the prompt
     schedule: str | Callable = "low_confidence"
     schedule_params: Mapping[str, Any] | None = None  # the schedule's parameters (traced: new values never recompile)

@@ -1,7 +1,7 @@
 """A naive Python-loop decoder written from the pseudo-code of docs/design.md §4, on `denoise_logits`.
 
 One prompt, one denoising step at a time, every control applied per position in float32
-numpy. Conventions shared with the implementation (and documented in the README): the NFE is
+numpy. Conventions shared with the implementation (and documented in docs/design.md §4): the NFE is
 the prefill (when the prompt fills at least one block) plus one per denoising step, since each
 commit is fused with the next block's first step and the last block is not committed; on the
 `max_steps_per_block`-th step of a block every remaining mask is filled.

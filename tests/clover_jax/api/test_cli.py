@@ -64,7 +64,7 @@ def test_generate_json_reports_the_response_and_its_metrics(checkpoint, json_run
     assert 1 <= record["response_tokens"] == len(ids) <= 12
     assert record["response"] == tokenizer.decode(ids, skip_special_tokens=True)
     assert record["generation_config"]["threshold"] == 0.9 and record["generation_config"]["block_size"] == 8
-    # the prompt fills two blocks: one prefill, then one forward per denoising step (README, Decoding choices)
+    # the prompt fills two blocks: one prefill, then one forward per denoising step (docs/design.md §4)
     assert metrics["nfe"] == 1 + sum(metrics["steps_per_block"])
     assert metrics["tokens_per_forward"] == pytest.approx(len(ids) / metrics["nfe"], abs=1e-4)
     # rounded to 2 decimals, so below 1 token/s (a slow machine) the rounding dominates
