@@ -52,8 +52,8 @@ LONGEST_FIRST = (
     "tests/decoding/test_generate.py", "tests/clover_jax/nn/test_long_context.py", "tests/decoding/test_schedules.py",
     "tests/decoding/test_engine.py", "tests/clover_jax/api/serving/test_server.py",
     "tests/pallas_kernels/test_compile.py",
-    "tests/training/test_objective.py", "tests/clover_jax/nn/test_rollback.py", "tests/test_notebooks.py",
-    "tests/decoding/test_speculative.py", "tests/training/test_next_token.py",
+    "tests/training/test_finetune.py", "tests/training/test_loss.py", "tests/clover_jax/nn/test_rollback.py",
+    "tests/test_notebooks.py", "tests/decoding/test_speculative.py", "tests/training/test_block_pass.py",
 )
 
 
