@@ -86,8 +86,8 @@ def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value
     cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
     are split over the axis the rules give value heads when both head counts divide it; a key
     head's value heads are consecutive, so the shards keep their pairing."""
-    batch_axis = (mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1
-                  and batch % mesh_sharding.axis_size(mesh_sharding.rules.batch) == 0 else None)
+    batch_size = mesh_sharding.axis_size(mesh_sharding.rules.batch)
+    batch_axis = mesh_sharding.rules.batch if batch_size > 1 and batch % batch_size == 0 else None
     heads_axis = mesh_sharding.rules.value_heads
     size = mesh_sharding.axis_size(heads_axis)
     heads_axis = heads_axis if size > 1 and key_heads % size == 0 and value_heads % size == 0 else None
