@@ -120,6 +120,7 @@ class CloverModel:
         quantize: "QuantSpec | str | None" = None,
         revision: str | None = None,
         check_finite: bool = True,
+        adapter: str | os.PathLike | None = None,
     ) -> "CloverModel":
         """Load a Hugging Face layout checkpoint — a local directory or a Hub id such as
         "org/name" (`clover_jax.core.hub`: only the files clover-jax reads are downloaded, into the Hub
@@ -144,6 +145,9 @@ class CloverModel:
         chunk_size: tokens per causal pass when a long prompt is prefilled (memory vs speed).
         check_finite: refuse weights holding NaN or Inf (`weights.CheckpointError` naming the
             tensor), checked on each tensor as it is read; False skips the check.
+        adapter: a LoRA adapter directory (`clover_jax.training.adapter_io`, written by a LoRA or
+            QLoRA run) for this base: the base is read in float, the adapter merged in, then
+            `quantize` applied; the model takes the adapter's config, tokenizer and generation config.
         """
         from weights import loader  # weights depends on clover_jax, not the reverse
         from weights.orbax_layout import is_orbax_checkpoint
@@ -153,6 +157,10 @@ class CloverModel:
         # the small files first: a bad config.json is refused before any weights are downloaded
         config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
         choose_kernels(impl)  # a bad impl is refused before reading weights
+        if adapter is not None:
+            return cls._with_adapter(path, config, adapter, dtype=dtype, mesh=mesh, name_map=name_map, strict=strict,
+                                     progress=progress, chunk_size=chunk_size, impl=impl, quantize=quantize,
+                                     revision=revision, check_finite=check_finite)
         mesh_sharding = None if mesh is None else MeshSharding(mesh, config, rules or ShardingRules())
         sharding_for = None if mesh_sharding is None else mesh_sharding.param_sharding
         quantize = QuantSpec.parse(quantize)
@@ -173,6 +181,33 @@ class CloverModel:
                                                 sharding_for=sharding_for, progress=progress, strict=strict,
                                                 quantize=quantize, check_finite=check_finite)
         return cls(config, params, report.dtype, os.fspath(path), chunk_size, mesh_sharding, impl)
+
+    @classmethod
+    def _with_adapter(cls, path, config: CloverConfig, adapter, *, mesh, quantize, chunk_size: int, impl: str,
+                      **load) -> "CloverModel":
+        """`from_pretrained` with a LoRA adapter: checked against the base's config before any weight is
+        read, merged into the float base, then quantised as loading would."""
+        from clover_jax.training.adapter_io import read_adapter
+        from weights.loader import quant_spec_for
+
+        read = read_adapter(adapter)
+        read.check_base(config)
+        if mesh is not None:
+            raise ValueError("adapter= loads onto one device: merge the adapter (a LoRA run's out directory) and "
+                             "load that checkpoint on the mesh")
+        spec = quant_spec_for(read.config, quantize)
+        base = cls.from_pretrained(path, progress=load.pop("progress"), **load)
+        params = read.merged_params(base.params, base.config)
+        if spec is not None:
+            from clover_jax.core.params import param_rows
+            from clover_jax.core.quantization import place, quantize as quantize_weight
+            from clover_jax.training.lora import get, put
+
+            for leaf_path in param_rows(read.config):
+                if spec.applies_to(leaf_path):
+                    params = put(params, leaf_path, place(quantize_weight(np.asarray(get(params, leaf_path)), spec),
+                                                          None))
+        return cls(read.config, params, base.dtype, read.path, chunk_size, None, impl)
 
     # ------------------------------------------------------------------ causal mode
     def forward(self, input_ids) -> jax.Array:

@@ -50,10 +50,25 @@ def _table_path(module: nn.Module) -> tuple[bool, tuple[str, ...]]:
     raise KeyError(f"{type(module).__name__} is not inside a module that declares its place in the parameter table")
 
 
+def low_rank_update(module: nn.Module, name: str, x: jax.Array) -> jax.Array | None:
+    """The LoRA term `(x Aᵀ) Bᵀ` of parameter `name`, or None when the module holds no adapter for it.
+
+    A training pass with adapters (`clover_jax.training.lora`) places them beside the weight as
+    `{name}_lora_a`: float32 [rank, in] and `{name}_lora_b`: float32 [out, rank], the scale
+    `alpha / rank` already folded into B. They are not rows of the parameter table: a model without
+    them (every inference pass, a merged checkpoint) runs exactly as before. The update is computed
+    in float32, as the adapters are held; x: [..., in] -> float32 [..., out]."""
+    if not module.has_variable("params", f"{name}_lora_a"):
+        return None
+    a, b = module.get_variable("params", f"{name}_lora_a"), module.get_variable("params", f"{name}_lora_b")
+    inner = jnp.einsum("...i,ri->...r", x.astype(jnp.float32), a.astype(jnp.float32))
+    return jnp.einsum("...r,or->...o", inner, b.astype(jnp.float32))
+
+
 class Linear(nn.Module):
     """`y = x Wᵀ` with `weight: [out_features, in_features]` (its row of the parameter table), no
     bias (Qwen3.5 has none). The weight may be a `QuantizedWeight`; it is dequantised before the
-    matmul."""
+    matmul. With a LoRA adapter beside it (`low_rank_update`), `y = x Wᵀ + (x Aᵀ) Bᵀ`."""
 
     config: CloverConfig
     dtype: jnp.dtype = jnp.float32
@@ -61,7 +76,9 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = dequantize(table_param(self, self.config, "weight"), self.dtype)
-        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), weight)
+        out = jnp.einsum("...i,oi->...o", x.astype(self.dtype), weight)
+        update = low_rank_update(self, "weight", x)
+        return out if update is None else (out.astype(jnp.float32) + update).astype(self.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -32,7 +32,8 @@ from clover_jax.core.quantization import QuantizedWeight
 from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
-from clover_jax.nn.layers import Linear, table_param
+from clover_jax.nn.expert_lora import ExpertAdapters, adapted_expert_mlp, is_quantized
+from clover_jax.nn.layers import Linear, low_rank_update, table_param
 from clover_jax.parallel.sharding import MeshSharding
 
 
@@ -142,6 +143,9 @@ class SparseMoE(nn.Module):
 
         router = table_param(self, config, "gate")
         router_logits = jnp.einsum("bth,eh->bte", x, router, preferred_element_type=jnp.float32)
+        router_update = low_rank_update(self, "gate", x)  # a LoRA run's router adapter, when it has one
+        if router_update is not None:
+            router_logits = router_logits + router_update
         probabilities = jax.nn.softmax(router_logits, axis=-1)
         expert_ids, expert_weights = route_top_k(probabilities, top_k)
         if num_tokens > causal:
@@ -168,7 +172,12 @@ class SparseMoE(nn.Module):
         one = gate_up_proj[0] if per_expert(gate_up_proj) else gate_up_proj
         rule = self.kernels.expert_rule(isinstance(one, QuantizedWeight),
                                         1 if mesh is None else mesh.axis_size(mesh.rules.experts), mesh is not None)
-        if rule.per_device:
+        adapters = self.expert_adapters()
+        if adapters is not None or (training and is_quantized(gate_up_proj)):
+            # A LoRA / QLoRA training pass: grouped matmuls that reverse mode differentiates (`expert_lora`).
+            routed = adapted_expert_mlp(tokens, *pairs, gate_up_proj, down_proj,
+                                        adapters or ExpertAdapters(None, None, None, None))
+        elif rule.per_device:
             routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)
         else:
             routed = expert_mlp(rule, tokens, *pairs, gate_up_proj, down_proj)
@@ -177,3 +186,14 @@ class SparseMoE(nn.Module):
         shared_gate = Linear(config, self.dtype, name="shared_expert_gate")(tokens)
         out = routed + jax.nn.sigmoid(shared_gate) * shared
         return out.reshape(batch, num_tokens, hidden)
+
+    def expert_adapters(self) -> ExpertAdapters | None:
+        """The routed experts' LoRA factors a LoRA training pass placed beside the stacks
+        (`{stack}_lora_a` / `{stack}_lora_b`, `clover_jax.training.lora`), or None when there are none."""
+        factors = {}
+        for stack, short in (("experts_gate_up_proj", "gate_up"), ("experts_down_proj", "down")):
+            for part in ("a", "b"):
+                name = f"{stack}_lora_{part}"
+                factors[f"{short}_{part}"] = (self.get_variable("params", name)
+                                              if self.has_variable("params", name) else None)
+        return None if all(value is None for value in factors.values()) else ExpertAdapters(**factors)

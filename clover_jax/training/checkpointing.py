@@ -9,6 +9,10 @@ checkpoint, bit for bit on CPU, as a run never stopped. Saves are asynchronous (
 while Orbax writes); Orbax publishes a checkpoint only once every file is written, so a run
 killed in the middle of a save resumes from the one before it.
 
+A LoRA run's state holds only the trainable part; the frozen base is not saved. Its `fingerprint`
+(sha256 of every leaf's path, shape, dtype and float32 sum and sum of squares, quantised values and
+scales included) is saved beside the progress, and a resume over a different base is refused.
+
 `fault_point` lets the tests kill a run at an enumerated point: with the environment variable
 `CLOVER_JAX_KILL_AT=<point>:<step>`, the process sends itself SIGKILL when it reaches that point
 ("step": a train step dispatched, its result not read yet; "save": a save started, not finished).
@@ -16,11 +20,14 @@ killed in the middle of a save resumes from the one before it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from clover_jax.training.dataset import DataPosition
 from clover_jax.training.step import TrainState
@@ -36,14 +43,29 @@ def fault_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Saver:
-    """The run's Orbax `CheckpointManager` in `directory` (two checkpoints kept)."""
+def fingerprint(params) -> str:
+    """A LoRA run's frozen base, summarised: sha256 over each leaf's path, shape, dtype, and its
+    float32 sum and sum of squares (computed where the leaf is; no copy of the base to the host)."""
+    digest = hashlib.sha256()
+    sums = jax.jit(lambda leaf: jnp.stack([jnp.sum(leaf.astype(jnp.float32)),
+                                           jnp.sum(jnp.square(leaf.astype(jnp.float32)))]))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        stats = np.asarray(sums(leaf), np.float64)
+        digest.update(f"{jax.tree_util.keystr(path)}|{tuple(leaf.shape)}|{leaf.dtype}|{stats[0]!r}|{stats[1]!r}|"
+                      .encode())
+    return digest.hexdigest()
 
-    def __init__(self, directory: str | os.PathLike, every: int):
+
+class Saver:
+    """The run's Orbax `CheckpointManager` in `directory` (two checkpoints kept). base_fingerprint: a
+    LoRA run's `fingerprint` of its frozen base (None: a full run, whose state holds every weight)."""
+
+    def __init__(self, directory: str | os.PathLike, every: int, base_fingerprint: str | None = None):
         import orbax.checkpoint as ocp
 
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = every
+        self.base_fingerprint = base_fingerprint
         options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -59,6 +81,11 @@ class Saver:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore()))
         progress = restored["progress"]
+        if progress.get("base_fingerprint") != self.base_fingerprint:
+            raise ValueError(f"the checkpoint at step {step} in {self.directory} was written by a run over a different "
+                             f"frozen base (fingerprint {str(progress.get('base_fingerprint'))[:12]}, this run's "
+                             f"{str(self.base_fingerprint)[:12]}): resume with the same model and quantize, or use "
+                             "another checkpoint_dir")
         state = TrainState(*restored["state"]) if not isinstance(restored["state"], TrainState) else restored["state"]
         # Restored arrays are committed to a device; fresh ones would make a second compiled step.
         state = jax.device_put(state, jax.devices()[0])
@@ -73,7 +100,8 @@ class Saver:
 
         if not (final or self.manager.should_save(step)):
             return
-        progress = {"position": {"step": position.step, "drawn": list(position.drawn)}, "metrics": history}
+        progress = {"position": {"step": position.step, "drawn": list(position.drawn)}, "metrics": history,
+                    "base_fingerprint": self.base_fingerprint}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         progress=ocp.args.JsonSave(progress)), force=final)
         fault_point("save", step)

@@ -14,7 +14,9 @@ from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
 
 LOSS_WEIGHTINGS = ("uniform", "inverse_t")
 
-METHODS = ("full",)
+METHODS = ("full", "lora")
+LORA_TARGETS = ("attention", "gdn", "shared_expert", "routed_experts", "router")
+QUANTIZE = ("int8", "int4")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
 
@@ -47,11 +49,11 @@ class FinetuneConfig:
     grad_clip: float = 1.0
     param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
     remat: str = "none"                       # "full": each layer group recomputed in the backward pass
-    # adapters and scale (not built yet: their values other than the defaults are refused)
+    # LoRA (method="lora"; docs/training.md, "LoRA and QLoRA") and scale
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("attention", "gdn", "shared_expert", "routed_experts")
-    quantize: str | None = None
+    quantize: str | None = None               # "int8" | "int4": the frozen base of a LoRA run (QLoRA)
     mesh: Any = None
     # data
     truncate: bool = False
@@ -112,8 +114,7 @@ def _check(config: FinetuneConfig) -> None:
              INVALID_TYPE)
         need(value >= low, field, f"must be >= {low}, got {value}")
 
-    need(config.method in METHODS, "method", f"must be one of {METHODS}, got {config.method!r} (LoRA arrives with "
-         "the adapters work; it is not built yet)", UNSUPPORTED)
+    need(config.method in METHODS, "method", f"must be one of {METHODS}, got {config.method!r}", UNSUPPORTED)
     for field, low in (("steps", 1), ("batch_size", 1), ("grad_accum_steps", 1), ("seq_len", 1),
                        ("warmup_steps", 0), ("seed", 0), ("checkpoint_every", 1), ("log_every", 1)):
         integer(field, low)
@@ -150,8 +151,20 @@ def _check(config: FinetuneConfig) -> None:
     need(config.param_dtype is None or config.param_dtype in PARAM_DTYPES, "param_dtype",
          f"must be one of {PARAM_DTYPES} or None, got {config.param_dtype!r}")
     need(config.remat in REMAT, "remat", f"must be one of {REMAT}, got {config.remat!r}")
-    need(config.quantize is None, "quantize", "a quantised frozen base is for LoRA runs (QLoRA), which are not "
-         "built yet", UNSUPPORTED)
+    need(isinstance(config.lora_rank, int) and not isinstance(config.lora_rank, bool) and config.lora_rank > 0,
+         "lora_rank", f"must be an int > 0, got {config.lora_rank!r}")
+    need(isinstance(config.lora_alpha, (int, float)) and not isinstance(config.lora_alpha, bool)
+         and config.lora_alpha > 0, "lora_alpha", f"must be a number > 0, got {config.lora_alpha!r}")
+    unknown = [name for name in config.lora_targets if name not in LORA_TARGETS]
+    need(not unknown, "lora_targets", f"unknown target(s) {unknown}: choose from {LORA_TARGETS}")
+    need(len(set(config.lora_targets)) == len(config.lora_targets), "lora_targets",
+         f"lists a target twice: {config.lora_targets!r}")
+    need(not (config.freeze_router and "router" in config.lora_targets and config.method == "lora"), "freeze_router",
+         "a frozen router cannot carry a router adapter: drop 'router' from lora_targets or freeze_router")
+    need(config.quantize is None or config.quantize in QUANTIZE, "quantize",
+         f"must be one of {QUANTIZE} or None, got {config.quantize!r}")
+    need(config.quantize is None or config.method == "lora", "quantize", "a quantised frozen base is for LoRA "
+         "runs (QLoRA): set method='lora'", UNSUPPORTED)
     need(config.mesh is None, "mesh", "the sharded train step is not built yet; train on one device",
          UNSUPPORTED)
     need(config.generation_config is None or isinstance(config.generation_config, dict), "generation_config",

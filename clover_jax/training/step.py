@@ -2,7 +2,10 @@
 
 The train state holds float32 master parameters; each step casts them to the compute dtype
 (`param_dtype`, e.g. bfloat16) for the forward pass, so gradients and AdamW's moments are
-float32 and bfloat16 parameters still take small updates. An optimizer step runs its
+float32 and bfloat16 parameters still take small updates. In a LoRA run (`program.lora`) the state
+holds only the trainable part (`clover_jax.training.lora`): the frozen base is an argument of the
+step, already in the compute dtype (or quantised), never differentiated, never in the optimizer
+state. An optimizer step runs its
 micro-batches under one `lax.scan`, adding their gradients; the loss's normalisers count the
 whole batch, so the sum is the gradient of the batch's loss. The noise of micro-batch i of step
 s is drawn from `fold_in(fold_in(key(seed), s), i)`: a resumed run draws the same.
@@ -19,14 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from clover_jax.core.quantization import QuantizedWeight
 from clover_jax.nn.model import CloverTransformer, Params
 from clover_jax.training.config import FinetuneConfig
+from clover_jax.training import lora as lora_params
 from clover_jax.training.loss import LossParts, LossSettings, Normalisers, TrainRows, block_rows, loss_parts
 from clover_jax.training.masking import draw_noise
 
 
 class TrainState(NamedTuple):
-    """step: int32 []; params: float32 master parameters (canonical layout); opt_state: optax's."""
+    """step: int32 []; params: float32 master parameters (canonical layout; a LoRA run: the
+    trainable part, `lora.init_trainable`); opt_state: optax's."""
 
     step: jax.Array
     params: Params
@@ -95,12 +101,21 @@ class StepProgram:
     min_mask_ratio: float
     compute_dtype: str
     micro_batches: int
+    lora: lora_params.LoraSpec | None = None  # a LoRA run: the state holds the trainable part only
+
+    def run_params(self, master: Params, frozen: Params | None) -> Params:
+        """The parameters a pass runs: the master copy in the compute dtype, or (LoRA) the frozen
+        base with the trainable part attached (adapters stay float32)."""
+        if self.lora is None:
+            return jax.tree_util.tree_map(lambda leaf: leaf.astype(self.compute_dtype), master)
+        return lora_params.attach(frozen, master, self.lora)
 
 
 @functools.partial(jax.jit, static_argnames="program", donate_argnames="state")
 def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalisers, coreset_top_p: jax.Array,
-               *, program: StepProgram) -> tuple[TrainState, dict]:
-    """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`."""
+               frozen: Params | None = None, *, program: StepProgram) -> tuple[TrainState, dict]:
+    """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`. frozen: a
+    LoRA run's base parameters (`compute_base`), None otherwise."""
     split = lambda array: array.reshape((program.micro_batches, array.shape[0] // program.micro_batches)
                                         + array.shape[1:])
     micro_rows = jax.tree_util.tree_map(split, rows)
@@ -115,7 +130,7 @@ def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normali
                            complementary=settings.complementary)
 
         def loss(master):
-            compute = jax.tree_util.tree_map(lambda leaf: leaf.astype(program.compute_dtype), master)
+            compute = program.run_params(master, frozen)
             out = loss_parts(compute, program.module, batch, noise, norm, settings=settings,
                              coreset_top_p=coreset_top_p)
             return out.loss, out
@@ -146,6 +161,13 @@ def empty_parts(module: CloverTransformer) -> LossParts:
     config = module.config
     scalar = jnp.zeros((), jnp.float32)
     return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32))
+
+
+def compute_base(params: Params, dtype: str) -> Params:
+    """A LoRA run's frozen base in the compute dtype (quantised weights as they are), on the device."""
+    cast = lambda leaf: leaf if isinstance(leaf, QuantizedWeight) else jnp.asarray(leaf, dtype)
+    base = jax.tree_util.tree_map(cast, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+    return jax.device_put(base, jax.devices()[0])
 
 
 def init_state(optimizer: OptimizerSettings, params: Params) -> TrainState:

@@ -7,6 +7,11 @@ size, a progress bar, a metrics record every `log_every` steps (to `on_metrics`,
 `metrics.jsonl`), evaluation on `eval_data`, Orbax checkpoints of the whole train state (the
 resumption point: `checkpointing`), and at the end the Hugging Face checkpoint in `out`, with
 `metrics.jsonl` and `loss.png` beside it.
+
+A LoRA run (`method="lora"`, `clover_jax.training.lora`) trains only the adapters, the block-mode
+tensors and the mask rows; the base stays frozen (quantised with `quantize`: QLoRA). It writes the
+adapter (`adapter_io`: `out/adapter`, or `out` itself for QLoRA), the adapter in PEFT's layout
+(`peft_export`: `out/peft`), and over a float base the merged checkpoint in `out`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
-from clover_jax.training import checkpointing, conversion
+from clover_jax.training import adapter_io, checkpointing, conversion, lora, peft_export
 from clover_jax.training.block_pass import training_module
 from clover_jax.training.config import FinetuneConfig
 from clover_jax.training.data import read_examples
@@ -33,7 +38,14 @@ from clover_jax.training.dataset import BatchIterator
 from clover_jax.training.held_out import evaluate
 from clover_jax.training.loss import LossSettings
 from clover_jax.training.packing import PackedRows, fit_examples, pack
-from clover_jax.training.step import OptimizerSettings, StepProgram, init_state, normalisers, train_step
+from clover_jax.training.step import (
+    OptimizerSettings,
+    StepProgram,
+    compute_base,
+    init_state,
+    normalisers,
+    train_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +73,10 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
 
     config = config or FinetuneConfig()
     if not isinstance(model, CloverModel):
-        model = CloverModel.from_pretrained(model, progress=progress)
+        model = CloverModel.from_pretrained(model, progress=progress, quantize=config.quantize)
+    elif config.quantize is not None:
+        raise ValueError("FinetuneConfig.quantize quantises the base while it is read: pass the checkpoint's "
+                         "directory or Hub id, not a loaded CloverModel")
     if model.path is None:
         raise ValueError("the model has no checkpoint directory (CloverModel.path): its tokenizer and generation "
                          "config come from there")
@@ -86,19 +101,29 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
         params = conversion.grow_vocabulary(params, model.config, target.grown_vocab)
     module = training_module(model.module.clone(config=target.config), remat=config.remat == "full")
     compute_dtype = config.param_dtype or str(model.dtype)
-    programs = {size: _program(config, module, _loss_settings(config, target.config, size), compute_dtype)
+    spec, frozen, trained = None, None, params
+    if config.method == "lora":
+        spec = lora.LoraSpec(config.lora_rank, float(config.lora_alpha), config.lora_targets, target.mask_token_id,
+                             target.config.tie_word_embeddings)
+        trained = lora.init_trainable(params, target.config, spec, jax.random.key(config.seed))
+        frozen = compute_base(params, compute_dtype)
+        logger.info("LoRA: %d trainable parameters (%s)", lora.parameter_count(trained), ", ".join(config.lora_targets))
+    programs = {size: _program(config, module, _loss_settings(config, target.config, size), compute_dtype, spec)
                 for size in sizes}
     batches = BatchIterator(packings, block_sizes=sizes, weights=weights, batch_size=config.batch_size,
                             seed=config.seed, max_noisy_blocks=config.max_noisy_blocks)
     evaluation = None
     if held_out is not None:
         evaluation = functools.partial(_evaluate, program=programs[sizes[0]], held_out=held_out, config=config,
-                                       top_p=target.config.moe_block_coreset_top_p)
-    state, history = _train(init_state(OptimizerSettings.of(config), params), batches, programs, config=config,
+                                       top_p=target.config.moe_block_coreset_top_p, frozen=frozen)
+    state, history = _train(init_state(OptimizerSettings.of(config), trained), batches, programs, config=config,
                             top_p=target.config.moe_block_coreset_top_p, evaluation=evaluation, on_metrics=on_metrics,
-                            progress=progress)
+                            progress=progress, frozen=frozen)
     out = os.fspath(out)
-    _write(out, model, state.params, target, compute_dtype)
+    if spec is None:
+        _write(out, model, state.params, target, compute_dtype)
+    else:
+        _write_lora(out, model, params, state.params, spec, target, compute_dtype, quantized=config.quantize)
     _write_metrics(out, history)
     return FinetuneResult(out, history)
 
@@ -126,11 +151,14 @@ def next_token_training(model, data, *, config: FinetuneConfig, progress: bool =
 
 
 def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneConfig, top_p: float, evaluation,
-           on_metrics, progress: bool):
+           on_metrics, progress: bool, frozen=None):
     """The loop: steps from the state's (or the latest checkpoint's) to `config.steps`; returns the
-    final state and the logged metrics."""
+    final state and the logged metrics. frozen: a LoRA run's base (its fingerprint is checked on resume)."""
     history: list[dict] = []
-    saver = checkpointing.Saver(config.checkpoint_dir, config.checkpoint_every) if config.checkpoint_dir else None
+    saver = None
+    if config.checkpoint_dir:
+        saver = checkpointing.Saver(config.checkpoint_dir, config.checkpoint_every,
+                                    base_fingerprint=None if frozen is None else checkpointing.fingerprint(frozen))
     if saver is not None:
         state, batches.position, history = saver.restore_latest(state, batches.position, history)
     key = jax.random.key(config.seed)
@@ -143,7 +171,8 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
             for step in range(int(state.step), config.steps):
                 batch = batches.next()
                 norm = normalisers(batch.rows, batch.block_size)
-                state, metrics = train_step(state, batch.rows, key, norm, top_p, program=programs[batch.block_size])
+                state, metrics = train_step(state, batch.rows, key, norm, top_p, frozen,
+                                            program=programs[batch.block_size])
                 checkpointing.fault_point("step", step + 1)
                 tokens_seen += int(np.sum(batch.rows.segment > 0))
                 done = step + 1
@@ -204,9 +233,10 @@ def _packed(examples, config: FinetuneConfig, block_size: int, pad_id: int) -> P
     return pack(fitted, seq_len=config.seq_len, block_size=block_size, pad_id=pad_id, seed=config.seed)
 
 
-def _program(config: FinetuneConfig, module, settings: LossSettings, compute_dtype: str) -> StepProgram:
+def _program(config: FinetuneConfig, module, settings: LossSettings, compute_dtype: str,
+             spec: lora.LoraSpec | None = None) -> StepProgram:
     return StepProgram(module, settings, OptimizerSettings.of(config), config.mask_ratio_floor, compute_dtype,
-                       config.grad_accum_steps)
+                       config.grad_accum_steps, spec)
 
 
 def _loss_settings(config: FinetuneConfig, model_config, block_size: int) -> LossSettings:
@@ -229,8 +259,9 @@ def _record(metrics: dict, step: int, norm, block_size: int, tokens_seen: int, s
     return record
 
 
-def _evaluate(state, *, program: StepProgram, held_out: PackedRows, config: FinetuneConfig, top_p: float) -> dict:
-    compute = jax.tree_util.tree_map(lambda leaf: leaf.astype(program.compute_dtype), state.params)
+def _evaluate(state, *, program: StepProgram, held_out: PackedRows, config: FinetuneConfig, top_p: float,
+              frozen=None) -> dict:
+    compute = program.run_params(state.params, frozen)
     return evaluate(compute, program.module, held_out, settings=program.settings, batch_size=config.micro_batch,
                     coreset_top_p=top_p)
 
@@ -248,6 +279,19 @@ def _write(out: str, model, master: dict, target: conversion.Target, dtype: str)
     conversion.write_tokenizer(model.path, out, target)
     conversion.write_generation_config(out, target)
     logger.info("wrote the trained checkpoint to %s", out)
+
+
+def _write_lora(out: str, model, base: dict, trainable: dict, spec: lora.LoraSpec, target: conversion.Target,
+                dtype: str, *, quantized: str | None) -> None:
+    """A LoRA run's outputs: the adapter (in `out/adapter`; QLoRA: in `out`, the only output), PEFT's
+    layout of it for a Qwen3.5-MoE base (`out/peft`), and over a float base the merged checkpoint in `out`."""
+    trainable = jax.device_get(trainable)
+    adapter_dir = out if quantized else os.path.join(out, "adapter")
+    adapter_io.save_adapter(adapter_dir, trainable, spec, base_config=model.config, target=target,
+                            tokenizer_source=model.path)
+    peft_export.save_peft_adapter(os.path.join(out, "peft"), trainable, spec, config=model.config)
+    if quantized is None:
+        _write(out, model, lora.merge(base, trainable, spec), target, dtype)
 
 
 def _write_metrics(out: str, history: list[dict]) -> None:

@@ -1,0 +1,200 @@
+"""LoRA and QLoRA: adapters on every target (routed experts as grouped matmuls), merging, our
+adapter layout, PEFT's layout checked with `peft` on `transformers`, QLoRA's gradients, and a
+short LoRA conversion of the bundled base end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax.training import FinetuneConfig, lora
+from clover_jax.training.lora import LoraSpec
+from tests.checkpoints import TWO_LAYERS, write_hf_checkpoint
+from tests.conftest import MASK_ID, token_ids
+
+EVERY_TARGET = ("attention", "gdn", "shared_expert", "routed_experts", "router")
+
+
+def random_trainable(params, config, spec: LoraSpec, seed: int) -> dict:
+    """A trainable pytree whose every part moves the model: B drawn (it starts at zero), the block-mode
+    tensors and mask rows perturbed."""
+    trainable = lora.init_trainable(params, config, spec, jax.random.key(seed))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(trainable)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    moved = []
+    for (path, leaf), key in zip(leaves, keys, strict=True):
+        name = str(getattr(path[-1], "key", path[-1]))
+        noise = jax.random.normal(key, leaf.shape, jnp.float32)
+        # B: a delta of ~20% of the weight's scale (inputs are O(1), rank 4, A ~ U(±1/√in))
+        moved.append(noise * 0.3 / np.sqrt(spec.rank) if name == "b" else leaf + 0.1 * noise if name != "a" else leaf)
+    return jax.tree_util.tree_unflatten(treedef, moved)
+
+
+def relative_gap(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+
+
+@pytest.fixture(scope="module")
+def qwen_base(tmp_path_factory) -> str:
+    """A two-layer random Qwen3.5-MoE (no mask token, no block-mode tensors): PEFT's base."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen_two_layers"), TWO_LAYERS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def small_clover(small_clover_checkpoint):
+    from clover_jax import CloverModel
+
+    return CloverModel.from_pretrained(small_clover_checkpoint, progress=False)
+
+
+@pytest.fixture(scope="module")
+def clover_adapter(small_clover):
+    spec = LoraSpec(rank=4, alpha=8.0, targets=EVERY_TARGET, mask_token_id=MASK_ID,
+                    tied=small_clover.config.tie_word_embeddings)
+    return spec, random_trainable(small_clover.params, small_clover.config, spec, seed=3)
+
+
+def test_an_adapted_training_pass_equals_the_merged_weights(small_clover, clover_adapter):
+    """Every target adapted, the routed experts through grouped matmuls of the factors: the noisy
+    stream's logits of the attached adapters equal those of the merged weights (the expert loop)."""
+    from clover_jax.training import block_diffusion_logits
+
+    spec, trainable = clover_adapter
+    clean = token_ids(2, 32, MASK_ID, seed=1)
+    noisy = np.where(np.random.RandomState(2).rand(2, 32) < 0.5, MASK_ID, clean).astype(np.int32)
+    merged = block_diffusion_logits(small_clover, clean, noisy, 8, params=lora.merge(small_clover.params, trainable,
+                                                                                      spec))
+    attached = block_diffusion_logits(small_clover, clean, noisy, 8, params=lora.attach(small_clover.params,
+                                                                                       trainable, spec))
+    base = block_diffusion_logits(small_clover, clean, noisy, 8)
+    assert relative_gap(merged, base) > 0.05  # the adapter is far from trivial
+    assert relative_gap(attached, merged) < 1e-5
+
+
+def test_the_adapter_directory_loads_onto_its_base_as_the_merged_model(small_clover, small_clover_checkpoint,
+                                                                         clover_adapter, tmp_path):
+    from clover_jax import CloverModel
+    from clover_jax.training import adapter_io
+    from clover_jax.training.conversion import Target
+
+    spec, trainable = clover_adapter
+    target = Target(small_clover.config, None, MASK_ID, False, {"mask_token_id": MASK_ID})
+    adapter_io.save_adapter(str(tmp_path / "adapter"), jax.device_get(trainable), spec,
+                            base_config=small_clover.config, target=target, tokenizer_source=small_clover_checkpoint)
+    loaded = CloverModel.from_pretrained(small_clover_checkpoint, adapter=str(tmp_path / "adapter"), progress=False)
+    merged = CloverModel(small_clover.config, lora.merge(small_clover.params, trainable, spec), small_clover.dtype)
+    ids = token_ids(1, 24, MASK_ID, seed=4)
+    np.testing.assert_array_equal(np.asarray(loaded.forward(ids)), np.asarray(merged.forward(ids)))
+    block = np.where(np.arange(8) % 2 == 0, MASK_ID, ids[:, :8]).astype(np.int32)
+    state = loaded.init_state(1, 32)
+    _, state = loaded.extend(state, ids[:, :16])
+    assert np.isfinite(np.asarray(loaded.denoise_logits(state, block).logits)).all()
+
+
+def test_an_adapter_is_refused_on_another_base_or_with_files_missing(small_clover, clover_adapter, qwen_base,
+                                                                      small_clover_checkpoint, tmp_path):
+    from clover_jax import CloverModel
+    from clover_jax.training import adapter_io
+    from clover_jax.training.conversion import Target
+
+    spec, trainable = clover_adapter
+    other = dict(TWO_LAYERS, hidden_size=32, head_dim=16)
+    other_dir = write_hf_checkpoint(tmp_path / "other", other, seed=1)
+    target = Target(small_clover.config, None, MASK_ID, False, {"mask_token_id": MASK_ID})
+    adapter = adapter_io.save_adapter(str(tmp_path / "adapter"), jax.device_get(trainable), spec,
+                                      base_config=small_clover.config, target=target,
+                                      tokenizer_source=small_clover_checkpoint)
+    with pytest.raises(ValueError, match="different base model"):
+        CloverModel.from_pretrained(other_dir, adapter=adapter, progress=False)
+    os.remove(os.path.join(adapter, adapter_io.WEIGHTS))
+    with pytest.raises(ValueError, match="lacks clover_adapter.safetensors"):
+        CloverModel.from_pretrained(small_clover_checkpoint, adapter=adapter, progress=False)
+
+
+def test_peft_loads_the_exported_adapter_with_the_same_causal_logits(qwen_base, tmp_path):
+    """The PEFT layout on transformers' Qwen3_5MoeForCausalLM (peft's own loading: nn.Linear
+    targets, the router and the fused experts as target_parameters) against clover-jax's merge."""
+    import torch
+    from peft import PeftModel
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from clover_jax import CloverModel
+    from clover_jax.training import peft_export
+
+    base = CloverModel.from_pretrained(qwen_base, progress=False)
+    mask = base.config.vocab_size - 1  # a row PEFT does not carry: left out of the comparison
+    spec = LoraSpec(rank=4, alpha=8.0, targets=EVERY_TARGET, mask_token_id=mask, tied=False)
+    trainable = random_trainable(base.params, base.config, spec, seed=7)
+    out = peft_export.save_peft_adapter(str(tmp_path / "peft"), jax.device_get(trainable), spec, config=base.config)
+    with open(os.path.join(out, "adapter_config.json")) as handle:
+        assert json.load(handle)["target_parameters"] == ["mlp.gate.weight", "mlp.experts.gate_up_proj",
+                                                           "mlp.experts.down_proj"]
+    torch.set_num_threads(1)
+    model = PeftModel.from_pretrained(Qwen3_5MoeForCausalLM.from_pretrained(qwen_base).eval(), out).eval()
+    ids = token_ids(2, 24, mask, seed=8)
+    with torch.no_grad():
+        reference = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()[..., :mask]
+        plain = model.get_base_model()(torch.as_tensor(ids, dtype=torch.long))
+    ours = CloverModel(base.config, lora.merge(base.params, trainable, spec), base.dtype).forward(ids)
+    ours = np.asarray(ours)[..., :mask]
+    assert relative_gap(reference, ours) > 0.05  # peft applied a non-trivial adapter
+    del plain
+    assert relative_gap(ours, reference) < 1e-5
+
+
+def test_qlora_gradients_reach_every_trainable_leaf_and_nothing_else(small_clover_checkpoint):
+    """An int4 frozen base: the step's state holds the trainable part only; every adapter (the
+    routed experts' through the quantised stacks), block-mode tensor and mask row gets a finite,
+    non-zero gradient."""
+    from clover_jax import CloverModel
+    from clover_jax.core.quantization import QuantizedWeight
+    from clover_jax.training.block_pass import training_module
+    from clover_jax.training.step import OptimizerSettings, compute_base, init_state
+
+    model = CloverModel.from_pretrained(small_clover_checkpoint, quantize="int4", progress=False)
+    base = model.params
+    assert isinstance(base["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"], QuantizedWeight)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=EVERY_TARGET, mask_token_id=MASK_ID, tied=False)
+    trainable = random_trainable(base, model.config, spec, seed=11)
+    frozen = compute_base(base, "float32")
+    module = training_module(model.module)
+    clean = jnp.asarray(token_ids(1, 16, MASK_ID, seed=12))
+    noisy = jnp.where(jnp.arange(16) % 3 == 0, MASK_ID, clean)
+
+    def loss(trained):
+        from clover_jax.core.streams import make_streams
+        from clover_jax.training.block_pass import stream_pass
+
+        streams = make_streams(jnp.ones((1, 16), jnp.int32), jnp.arange(2)[None], 8)
+        out = stream_pass(module, lora.attach(frozen, trained, spec), clean, noisy.reshape(1, 2, 8), streams,
+                          block_size=8, coreset=False, coreset_top_p=jnp.float32(1.0))
+        logits = jnp.einsum("bth,vh->btv", out.hidden, out.head)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 3])
+
+    grads = jax.jit(jax.grad(loss))(trainable)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    assert len(flat) == len(jax.tree_util.tree_leaves(trainable))
+    for path, grad in flat:
+        grad = np.asarray(grad)
+        assert np.isfinite(grad).all() and np.abs(grad).max() > 0, jax.tree_util.keystr(path)
+    state = init_state(OptimizerSettings(1e-3, 0, 10, 0.0, 1.0, False), trainable)
+    optimizer_leaves = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(state.opt_state))
+    assert optimizer_leaves < 3 * lora.parameter_count(trainable) + 16  # AdamW's two moments, no base
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"lora_targets": ("attention", "mlp")}, "unknown target"),
+    ({"lora_rank": 0}, "lora_rank"),
+    ({"quantize": "int8"}, "method='lora'"),
+    ({"method": "lora", "quantize": "int3"}, "quantize"),
+    ({"method": "lora", "lora_targets": ("router",), "freeze_router": True}, "frozen router"),
+])
+def test_bad_lora_settings_are_refused_when_the_config_is_made(fields, match):
+    with pytest.raises(ValueError, match=match):
+        FinetuneConfig(**fields)
