@@ -92,9 +92,8 @@ def test_the_adapter_directory_loads_onto_its_base_as_the_merged_model(small_clo
     ids = token_ids(1, 24, MASK_ID, seed=4)
     np.testing.assert_array_equal(np.asarray(loaded.forward(ids)), np.asarray(merged.forward(ids)))
     block = np.where(np.arange(8) % 2 == 0, MASK_ID, ids[:, :8]).astype(np.int32)
-    state = loaded.init_state(1, 32)
-    _, state = loaded.extend(state, ids[:, :16])
-    assert np.isfinite(np.asarray(loaded.denoise_logits(state, block).logits)).all()
+    np.testing.assert_array_equal(np.asarray(loaded.denoise_logits(ids[:, :16], block)),
+                                  np.asarray(merged.denoise_logits(ids[:, :16], block)))
 
 
 def test_an_adapter_is_refused_on_another_base_or_with_files_missing(small_clover, clover_adapter, qwen_base,
@@ -140,11 +139,11 @@ def test_peft_loads_the_exported_adapter_with_the_same_causal_logits(qwen_base, 
     ids = token_ids(2, 24, mask, seed=8)
     with torch.no_grad():
         reference = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()[..., :mask]
-        plain = model.get_base_model()(torch.as_tensor(ids, dtype=torch.long))
+        with model.disable_adapter():
+            plain = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()[..., :mask]
     ours = CloverModel(base.config, lora.merge(base.params, trainable, spec), base.dtype).forward(ids)
     ours = np.asarray(ours)[..., :mask]
-    assert relative_gap(reference, ours) > 0.05  # peft applied a non-trivial adapter
-    del plain
+    assert relative_gap(plain, ours) > 0.05  # the adapter is far from trivial
     assert relative_gap(ours, reference) < 1e-5
 
 
