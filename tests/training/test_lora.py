@@ -147,46 +147,6 @@ def test_peft_loads_the_exported_adapter_with_the_same_causal_logits(qwen_base, 
     assert relative_gap(ours, reference) < 1e-5
 
 
-def test_qlora_gradients_reach_every_trainable_leaf_and_nothing_else(small_clover_checkpoint):
-    """An int4 frozen base: the step's state holds the trainable part only; every adapter (the
-    routed experts' through the quantised stacks), block-mode tensor and mask row gets a finite,
-    non-zero gradient."""
-    from clover_jax import CloverModel
-    from clover_jax.core.quantization import QuantizedWeight
-    from clover_jax.training.block_pass import training_module
-    from clover_jax.training.step import OptimizerSettings, compute_base, init_state
-
-    model = CloverModel.from_pretrained(small_clover_checkpoint, quantize="int4", progress=False)
-    base = model.params
-    assert isinstance(base["groups"]["layer_0"]["mlp"]["experts_gate_up_proj"], QuantizedWeight)
-    spec = LoraSpec(rank=2, alpha=4.0, targets=EVERY_TARGET, mask_token_id=MASK_ID, tied=False)
-    trainable = random_trainable(base, model.config, spec, seed=11)
-    frozen = compute_base(base, "float32")
-    module = training_module(model.module)
-    clean = jnp.asarray(token_ids(1, 16, MASK_ID, seed=12))
-    noisy = jnp.where(jnp.arange(16) % 3 == 0, MASK_ID, clean)
-
-    def loss(trained):
-        from clover_jax.core.streams import make_streams
-        from clover_jax.training.block_pass import stream_pass
-
-        streams = make_streams(jnp.ones((1, 16), jnp.int32), jnp.arange(2)[None], 8)
-        out = stream_pass(module, lora.attach(frozen, trained, spec), clean, noisy.reshape(1, 2, 8), streams,
-                          block_size=8, coreset=False, coreset_top_p=jnp.float32(1.0))
-        logits = jnp.einsum("bth,vh->btv", out.hidden, out.head)
-        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 3])
-
-    grads = jax.jit(jax.grad(loss))(trainable)
-    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-    assert len(flat) == len(jax.tree_util.tree_leaves(trainable))
-    for path, grad in flat:
-        grad = np.asarray(grad)
-        assert np.isfinite(grad).all() and np.abs(grad).max() > 0, jax.tree_util.keystr(path)
-    state = init_state(OptimizerSettings(1e-3, 0, 10, 0.0, 1.0, False), trainable)
-    optimizer_leaves = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(state.opt_state))
-    assert optimizer_leaves < 3 * lora.parameter_count(trainable) + 16  # AdamW's two moments, no base
-
-
 @pytest.mark.parametrize(("fields", "match"), [
     ({"lora_targets": ("attention", "mlp")}, "unknown target"),
     ({"lora_rank": 0}, "lora_rank"),
@@ -197,3 +157,63 @@ def test_qlora_gradients_reach_every_trainable_leaf_and_nothing_else(small_clove
 def test_bad_lora_settings_are_refused_when_the_config_is_made(fields, match):
     with pytest.raises(ValueError, match=match):
         FinetuneConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory):
+    """Two QLoRA (int4) steps of a conversion of the bundled Qwen base, with Orbax checkpoints."""
+    from clover_jax.training import finetune
+    from clover_jax.training.recipe import BASE_DIR, Recipe, task_controls, write_task_data
+
+    directory = tmp_path_factory.mktemp("qlora")
+    data = write_task_data(directory / "train.jsonl", Recipe().task, count=32, seed=0, thinking_fraction=0.8)
+    config = FinetuneConfig(method="lora", quantize="int4", lora_rank=4, steps=2, batch_size=4, seq_len=64,
+                            block_size=16, learning_rate=3e-3, warmup_steps=1, log_every=1, load_balance_weight=0.0,
+                            checkpoint_dir=str(directory / "checkpoints"), generation_config=task_controls(Recipe()))
+    return finetune(BASE_DIR, data, directory / "out", config=config, progress=False), config, data, directory
+
+
+def test_a_qlora_run_trains_every_trainable_leaf_and_checkpoints_only_them(qlora_run):
+    """Over an int4 base: every adapter (the routed experts' through the quantised stacks), block-mode
+    tensor and mask row moved from its initial value (so each got a gradient); the Orbax state holds
+    the trainable part and its optimizer moments, not the base; the adapter is the output."""
+    from clover_jax import CloverModel
+    from clover_jax.training import adapter_io, finetune
+    from clover_jax.training.recipe import BASE_DIR
+
+    result, config, data, directory = qlora_run
+    assert sorted(os.listdir(result.out)) == sorted([
+        adapter_io.CONFIG, adapter_io.WEIGHTS, "generation_config.json", "loss.png", "metrics.jsonl", "peft",
+        "tokenizer.json", "tokenizer_config.json"])  # QLoRA: the adapter is the output; no merged weights
+    assert os.path.isfile(os.path.join(result.out, "peft", "adapter_model.safetensors"))
+    adapter = adapter_io.read_adapter(result.out)
+    assert adapter.config.model_type == "clover_moe" and adapter.spec.mask_token_id == 127
+    base = CloverModel.from_pretrained(BASE_DIR, quantize="int4", progress=False)
+    initial = lora.init_trainable(base.params, base.config, adapter.spec, jax.random.key(config.seed))
+    initial_leaves = dict(adapter_io.flat_tensors(jax.device_get(initial)))
+    trained_leaves = adapter_io.flat_tensors(adapter.trainable)
+    assert sorted(initial_leaves) == sorted(trained_leaves)
+    assert any(".experts_gate_up_proj.lora_a" in name for name in trained_leaves)
+    assert any(name.startswith("mask_rows.") for name in trained_leaves)
+    assert any(name.endswith("block_logit_scale") for name in trained_leaves)
+    unmoved = [name for name, value in trained_leaves.items() if np.array_equal(value, initial_leaves[name])]
+    # The mask token's logit is -inf in the training softmax (as in decoding), so its LM-head row,
+    # trainable as the spec asks, never receives a gradient.
+    assert unmoved == ["mask_rows.lm_head"]
+    # The Orbax state: the trainable part and its two AdamW moments, not the base.
+    import orbax.checkpoint as ocp
+
+    state_dir = os.path.join(config.checkpoint_dir, "2", "state")
+    stored = ocp.PyTreeCheckpointer().metadata(state_dir)
+    leaves = jax.tree_util.tree_leaves(getattr(stored, "item_metadata", stored),
+                                       is_leaf=lambda leaf: hasattr(leaf, "shape"))
+    stored_size = sum(int(np.prod(leaf.shape)) for leaf in leaves if hasattr(leaf, "shape"))
+    trained = lora.parameter_count(adapter.trainable)
+    assert 3 * trained <= stored_size < 3 * trained + 64
+    model = CloverModel.from_pretrained(BASE_DIR, adapter=result.out, quantize="int4", progress=False)
+    assert model.config.mask_token_id == 127 and np.isfinite(np.asarray(model.forward(np.arange(8)[None]))).all()
+    # The same checkpoints under a different frozen base (the float one) are refused.
+    with pytest.raises(ValueError, match="different frozen base"):
+        finetune(BASE_DIR, data, directory / "again", config=FinetuneConfig(**{
+            **{f: getattr(config, f) for f in config.__dataclass_fields__}, "quantize": None, "steps": 3}),
+            progress=False)
