@@ -144,7 +144,8 @@ def read_adapter(directory: str | os.PathLike) -> Adapter:
     with open(os.path.join(directory, CONFIG)) as handle:
         description = json.load(handle)
     if description.get("format") != FORMAT:
-        raise ValueError(f"{os.path.join(directory, CONFIG)}: format {description.get('format')!r}, expected {FORMAT!r}")
+        raise ValueError(f"{os.path.join(directory, CONFIG)}: format {description.get('format')!r}, "
+                         f"expected {FORMAT!r}")
     config = CloverConfig.from_dict(description["config"], source=os.path.join(directory, CONFIG))
     spec = LoraSpec(int(description["rank"]), float(description["alpha"]), tuple(description["targets"]),
                     int(description["mask_token_id"]), bool(config.tie_word_embeddings))

@@ -24,8 +24,8 @@ import optax
 
 from clover_jax.core.quantization import QuantizedWeight
 from clover_jax.nn.model import CloverTransformer, Params
-from clover_jax.training.config import FinetuneConfig
 from clover_jax.training import lora as lora_params
+from clover_jax.training.config import FinetuneConfig
 from clover_jax.training.loss import LossParts, LossSettings, Normalisers, TrainRows, block_rows, loss_parts
 from clover_jax.training.masking import draw_noise
 

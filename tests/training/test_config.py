@@ -24,8 +24,10 @@ from clover_jax.training import FinetuneConfig
     ("learning_rate", 0.0, "invalid_value"),
     ("param_dtype", "float16", "invalid_value"),
     ("remat", "some", "invalid_value"),
-    ("method", "lora", "unsupported_value"),
-    ("quantize", "int4", "unsupported_value"),
+    ("method", "dora", "unsupported_value"),
+    ("quantize", "int4", "unsupported_value"),      # a quantised base is for method="lora"
+    ("lora_rank", 0, "invalid_value"),
+    ("lora_targets", ("attention", "mlp"), "invalid_value"),
     ("generation_config", [1], "invalid_type"),
 ])
 def test_a_bad_field_is_refused_naming_it(field, value, code):
