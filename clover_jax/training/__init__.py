@@ -9,6 +9,8 @@
   * `data.py`, `packing.py`, `dataset.py` — JSONL examples, packed rows, the batch order;
   * `step.py`, `checkpointing.py`, `held_out.py` — the optimizer step, Orbax resumption, evaluation;
   * `conversion.py`   — what a Qwen base becomes (mask token, generation config);
+  * `lora.py`         — LoRA: the adapted weights, the trainable part, attaching and merging;
+    `adapter_io.py` (our adapter layout, loading onto a base), `peft_export.py` (PEFT's layout);
   * `task.py`, `chat_format.py`, `vocabulary.py`, `recipe.py`, `evaluation.py` — the bundled tiny
     models' digit task, tokenizer and recipes, and exact-match scoring with `decoding.generate`.
 """

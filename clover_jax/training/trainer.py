@@ -289,7 +289,8 @@ def _write_lora(out: str, model, base: dict, trainable: dict, spec: lora.LoraSpe
     adapter_dir = out if quantized else os.path.join(out, "adapter")
     adapter_io.save_adapter(adapter_dir, trainable, spec, base_config=model.config, target=target,
                             tokenizer_source=model.path)
-    peft_export.save_peft_adapter(os.path.join(out, "peft"), trainable, spec, config=model.config)
+    peft_export.save_peft_adapter(os.path.join(out, "peft"), trainable, spec, config=model.config,
+                                  base_name=model.path)
     if quantized is None:
         _write(out, model, lora.merge(base, trainable, spec), target, dtype)
 
