@@ -54,6 +54,7 @@ LONGEST_FIRST = (
     "tests/pallas_kernels/test_compile.py",
     "tests/training/test_finetune.py", "tests/training/test_loss.py", "tests/clover_jax/nn/test_rollback.py",
     "tests/test_notebooks.py", "tests/decoding/test_speculative.py", "tests/training/test_block_pass.py",
+    "tests/training/test_lora.py",
 )
 
 
