@@ -46,8 +46,9 @@ METHODS = {
 
 
 def run_method(name: str, *, data: str, out: str, steps: int, problems, task) -> dict:
+    from tokenizers import Tokenizer
+
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
     from clover_jax.core.params import parameter_counts
     from clover_jax.training import FinetuneConfig, finetune, lora
     from clover_jax.training.adapter_io import read_adapter
@@ -70,7 +71,7 @@ def run_method(name: str, *, data: str, out: str, steps: int, problems, task) ->
         trainable = lora.parameter_count(read_adapter(adapter_dir).trainable)
         model = CloverModel.from_pretrained(BUNDLED_DIR, adapter=adapter_dir, quantize=fields.get("quantize"),
                                             progress=False)
-    tokenizer = Tokenizer.from_pretrained(model.path)
+    tokenizer = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
     scores = evaluate(model, tokenizer, task, problems, batch_size=len(problems), max_new_tokens=64)
     return {"method": name, "trainable_parameters": int(trainable), "step_seconds": float(np.median(step_times)),
             "final_loss": result.metrics[-1]["loss"], "full_match": scores["full_match"],
