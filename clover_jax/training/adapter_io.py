@@ -10,8 +10,9 @@ An adapter directory holds:
 * `clover_adapter.json` — rank, alpha, targets, the mask token id, the vocabulary growth of a
   converted base, the written model's `config.json` fields, and the base's architecture
   fingerprint (a different base is refused before its weights are read);
-* the written model's tokenizer files and `generation_config.json` (the mask token included), so
-  the directory is the loaded model's `path`.
+* the written model's `config.json`, tokenizer files and `generation_config.json` (the mask token
+  included), so the directory is the loaded model's `path` (`generate` reads its generation config
+  there); it holds no base weights, so it loads only as `adapter=` of its base.
 
 `CloverModel.from_pretrained(base, adapter=DIR, quantize=...)` loads the base in float, merges
 the adapter (`lora.merge`) and then quantises as loading would: the weights it serves are the
@@ -95,6 +96,9 @@ def save_adapter(out: str, trainable: dict, spec: LoraSpec, *, base_config: Clov
                    "config": config_dict(target.config, "float32")}
     with open(os.path.join(out, CONFIG), "w") as handle:
         json.dump(description, handle, indent=2)
+        handle.write("\n")
+    with open(os.path.join(out, "config.json"), "w") as handle:
+        json.dump(description["config"], handle, indent=2)
         handle.write("\n")
     conversion.write_tokenizer(tokenizer_source, out, target)
     conversion.write_generation_config(out, target)

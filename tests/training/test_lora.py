@@ -94,6 +94,9 @@ def test_the_adapter_directory_loads_onto_its_base_as_the_merged_model(small_clo
     block = np.where(np.arange(8) % 2 == 0, MASK_ID, ids[:, :8]).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(loaded.denoise_logits(ids[:, :16], block)),
                                   np.asarray(merged.denoise_logits(ids[:, :16], block)))
+    from decoding import GenerationConfig
+
+    assert GenerationConfig.from_pretrained(loaded.path).mask_token_id == MASK_ID  # what generate reads
 
 
 def test_an_adapter_is_refused_on_another_base_or_with_files_missing(small_clover, clover_adapter, qwen_base,
@@ -183,8 +186,8 @@ def test_a_qlora_run_trains_every_trainable_leaf_and_checkpoints_only_them(qlora
 
     result, config, data, directory = qlora_run
     assert sorted(os.listdir(result.out)) == sorted([
-        adapter_io.CONFIG, adapter_io.WEIGHTS, "generation_config.json", "loss.png", "metrics.jsonl", "peft",
-        "tokenizer.json", "tokenizer_config.json"])  # QLoRA: the adapter is the output; no merged weights
+        adapter_io.CONFIG, adapter_io.WEIGHTS, "config.json", "generation_config.json", "loss.png", "metrics.jsonl",
+        "peft", "tokenizer.json", "tokenizer_config.json"])  # QLoRA: the adapter is the output; no merged weights
     assert os.path.isfile(os.path.join(result.out, "peft", "adapter_model.safetensors"))
     adapter = adapter_io.read_adapter(result.out)
     assert adapter.config.model_type == "clover_moe" and adapter.spec.mask_token_id == 127
