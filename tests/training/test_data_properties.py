@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from clover_jax.api.tokenization import Tokenizer
 from clover_jax.training.data import DataError, read_examples
@@ -40,7 +39,8 @@ RECORD = st.one_of(
     st.fixed_dictionaries({"text": TEXT | JSON}, optional={"extra": JSON}),
     st.dictionaries(st.text(max_size=8), JSON, max_size=3),
 )
-LINE = st.one_of(RECORD.map(lambda record: json.dumps(record).encode()), JSON.map(lambda value: json.dumps(value).encode()),
+LINE = st.one_of(RECORD.map(lambda record: json.dumps(record).encode()),
+                 JSON.map(lambda value: json.dumps(value).encode()),
                  st.binary(max_size=24).filter(lambda raw: b"\n" not in raw and b"\r" not in raw))
 
 

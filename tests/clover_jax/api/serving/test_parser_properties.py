@@ -6,8 +6,7 @@ random characters alone would reach them."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from clover_jax.api.serving.reasoning import ReasoningSplitter
 from clover_jax.api.serving.tool_calls import ToolCallParser
@@ -37,7 +36,7 @@ def _cuts(draw_text: str, cut_points: list[int]) -> list[str]:
     """`draw_text` cut at the given positions (sorted, deduplicated, within the text)."""
     points = sorted({point % (len(draw_text) + 1) for point in cut_points})
     bounds = [0, *points, len(draw_text)]
-    return [draw_text[start:end] for start, end in zip(bounds, bounds[1:])]
+    return [draw_text[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 def _merged(events: list[tuple]) -> list[tuple]:
