@@ -27,10 +27,13 @@ sharded tensor is never assembled on one host. The stored tree is checked agains
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from typing import Any
@@ -143,9 +146,10 @@ def convert_to_orbax(
         del leaves
         started = time.perf_counter()
         logger.info("writing the Orbax checkpoint (%.2f GB, %s) to %s", manifest.bytes / 1e9, manifest.dtype, building)
-        _checkpointer().save(os.path.join(building, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
-        del params
-        _fsync_tree(building)
+        with _write_errors_named(target):
+            _checkpointer().save(os.path.join(building, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+            del params
+            _fsync_tree(building)
         logger.info("wrote and synced %.2f GB in %.1fs", manifest.bytes / 1e9, time.perf_counter() - started)
         _move_into_place(building, target)
         placed = True
@@ -156,6 +160,21 @@ def convert_to_orbax(
     logger.info("converted %s -> %s (%d leaves, %d parameters)", source, target, manifest.num_leaves,
                 manifest.num_parameters)
     return manifest
+
+
+@contextlib.contextmanager
+def _write_errors_named(target: str):
+    """A failed write (a full disk: TensorStore reports it as a ValueError carrying the OS error code)
+    as an OSError that names the output and says that nothing was replaced."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        code = re.search(r"os_error_code='?(\d+)", str(error))
+        if isinstance(error, ValueError) and code is None:
+            raise
+        number = int(code.group(1)) if code else (error.errno or errno.EIO)
+        raise OSError(number, f"writing the Orbax checkpoint to {target} failed: {os.strerror(number)} (a full "
+                      f"disk?); the source and anything at {target} before are unchanged. {error}") from error
 
 
 def _check_out_dir(source: str, target: str, overwrite: bool) -> None:

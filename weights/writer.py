@@ -15,6 +15,7 @@ written; this is meant for small models (the bundled tiny Clover, tests), not fo
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -119,12 +120,40 @@ def save_params(params: dict, config: CloverConfig, out_dir: str | os.PathLike, 
     tensors = checkpoint_tensors(params, config, dtype)
     dtype_name = str(dtype) if dtype is not None else _dominant_dtype(tensors)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as handle:
-        json.dump(config_dict(config, dtype_name, **(extra_config or {})), handle, indent=2)
-        handle.write("\n")
+    config_text = json.dumps(config_dict(config, dtype_name, **(extra_config or {})), indent=2) + "\n"
+    _replace_file(os.path.join(out_dir, "model.safetensors"),
+                  lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    _replace_file(os.path.join(out_dir, "config.json"), lambda path: _write_text(path, config_text))
     logger.info("wrote %d tensors (%s) to %s", len(tensors), dtype_name, out_dir)
     return out_dir
+
+
+def _replace_file(path: str, write) -> None:
+    """`write(temporary)` beside `path`, then rename it over `path`: a write that fails (a full disk)
+    leaves what `path` held before, and no partial file, and says what it was writing where."""
+    temporary = f"{path}.partial-{os.getpid()}"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except (OSError, safetensors_error()) as error:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise OSError(getattr(error, "errno", None) or errno.EIO,
+                      f"writing {path} failed ({error}); a full disk? what was there before is unchanged") from error
+
+
+def safetensors_error() -> type:
+    """The exception safetensors raises for a failed write (its Rust I/O errors), OSError if none."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return OSError
+    return SafetensorError
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
 
 
 def _check_params(params: dict, config: CloverConfig) -> None:

@@ -76,8 +76,13 @@ def read_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], tokeni
 
 
 def _records(path: str) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:  # read as bytes: a line that is not UTF-8 is that line's error
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(path, line_number, f"not UTF-8 text (byte {raw[error.start]:#04x} at offset "
+                                f"{error.start})") from None
             if not line.strip():
                 continue
             try:

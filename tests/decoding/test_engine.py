@@ -163,3 +163,21 @@ def test_chunk_plan_covers_the_prompt_with_few_shapes():
     for length in range(1, 300):
         padding, sizes = slots.chunk_plan(length, 8, 64)
         assert sum(sizes) == length + padding and padding < 8 and all(s in (8, 16, 32, 64) for s in sizes)
+
+
+def test_a_request_whose_left_padding_crosses_a_cache_bucket_decodes_as_alone(model, controls_config):
+    """A request's cache rows include its prompt's left padding: without them, a request that needs
+    64 rows and is padded by 3 would get a 64-row lane and write past its end. A fresh engine, so
+    that no earlier request has grown the lane already."""
+    import dataclasses
+
+    config = dataclasses.replace(controls_config, eos_token_id=(), dllm_length_penalty=0.0)  # runs to the end
+    # 13 prompt tokens + 51 = 64 rows; the prompt is left-padded by 3 to a multiple of 8: 67 rows, past 64
+    prompt_length, max_new_tokens = 13, 51
+    request = EngineRequest(list(range(20, 20 + prompt_length)), "autoregressive",
+                            overrides={"max_new_tokens": max_new_tokens})
+    with Engine(model, config, max_running=1) as engine:
+        [result] = engine.run([request], timeout=900)
+    tokens, nfe, _ = alone(model, config, request)
+    assert len(tokens) == max_new_tokens  # the whole response is written: the last rows are used
+    assert (result.error, result.tokens, result.stats.nfe) == (None, tokens, nfe)

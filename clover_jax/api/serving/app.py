@@ -3,9 +3,10 @@
 Every request is read and checked before the engine sees it (`protocol`, `service`); any refusal
 is an HTTP 4xx with an OpenAI error body, and the server keeps serving. With an API key, every
 request must carry `Authorization: Bearer KEY` (401 otherwise). Request bodies are bounded
-(413 beyond `max_body_bytes`). Streaming responses are server-sent events that carry text as
-blocks are decided and end with `data: [DONE]`; a client that disconnects cancels its request,
-which frees its slot at the engine's next step.
+(413 beyond `max_body_bytes`) and must arrive within `body_timeout` seconds (408 after it, so
+that a client that stops sending mid-body holds no connection forever). Streaming responses are
+server-sent events that carry text as blocks are decided and end with `data: [DONE]`; a client
+that disconnects cancels its request, which frees its slot at the engine's next step.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from decoding.engine import EngineEvent
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body, from its first byte
 # engine finish -> OpenAI finish_reason
 FINISH = {"eos": "stop", "length": "length"}
 
 
-def create_app(service: Service, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(service: Service, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     app = FastAPI(title="clover-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 
@@ -75,7 +78,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        chat = read_chat(await _read_json(request, max_body_bytes))
+        chat = read_chat(await _read_json(request, max_body_bytes, body_timeout))
         prepared = await run_in_threadpool(service.prepare_chat, chat)
         text = ChoiceText(service.tokenizer, chat.sampling.stop, reasoning=prepared.reasoning_opened, tools=chat.tools)
         submission = service.submit(prepared)
@@ -89,7 +92,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        completion = read_completion(await _read_json(request, max_body_bytes))
+        completion = read_completion(await _read_json(request, max_body_bytes, body_timeout))
         prepared = await run_in_threadpool(service.prepare_completion, completion)
         texts = [ChoiceText(service.tokenizer, completion.sampling.stop) for _ in prepared]
         submissions = []
@@ -255,16 +258,24 @@ async def _completion_stream(reply: _Reply, submissions: list[Submission], texts
 
 
 # ---------------------------------------------------------------------- helpers
-async def _read_json(request: Request, limit: int) -> Any:
-    """The JSON body, read up to `limit` bytes (413 beyond)."""
+async def _read_json(request: Request, limit: int, timeout: float) -> Any:
+    """The JSON body, read up to `limit` bytes (413 beyond) within `timeout` seconds (408 after)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} (--max-body-bytes)")
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body-bytes)")
+
+    async def read() -> None:
+        async for piece in request.stream():
+            body.extend(piece)
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body-bytes)")
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body was not complete within {timeout:g} s ({len(body)} bytes arrived)",
+                       None, "request_timeout") from None
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -118,8 +118,11 @@ class Message:
         return "".join(self.content)
 
     def as_openai(self) -> dict:
+        # `refusal` is required by OpenAI's published response schema (null: the model never refuses by a
+        # separate channel); SDKs treat it as optional, so only a schema check notices it missing.
         message: dict[str, Any] = {"role": "assistant",
-                                   "content": self.text if (self.content or not self.calls) else None}
+                                   "content": self.text if (self.content or not self.calls) else None,
+                                   "refusal": None}
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         if self.calls:

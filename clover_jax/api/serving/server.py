@@ -13,12 +13,16 @@ import time
 
 import uvicorn
 
-from clover_jax.api.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
+from clover_jax.api.serving.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, create_app
 from clover_jax.api.serving.service import Service
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZES = (16, 32, 64)
+# The bound on open connections: uvicorn's limit_concurrency, which counts the arriving connection
+# (N - 1 are served at once) and answers 503 beyond it, so that a flood of idle or slow clients cannot
+# exhaust the process's sockets. Far above the engine's slots: waiting requests queue in the engine.
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def build_service(path: str, *, name: str | None = None, max_running: int = 8, max_queue: int = 64,
@@ -51,11 +55,12 @@ def warm_up(service: Service) -> float:
 
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+          max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     """Serve until interrupted (uvicorn handles SIGINT/SIGTERM), then stop the engine."""
     try:
-        uvicorn.run(create_app(service, api_key, max_body_bytes), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(create_app(service, api_key, max_body_bytes, body_timeout=body_timeout), host=host, port=port,
+                    log_level="warning", timeout_graceful_shutdown=5, limit_concurrency=max_connections)
     finally:
         service.engine.close()
 
@@ -64,8 +69,9 @@ class ServerThread:
     """The app served by uvicorn on a thread of this process (tests, notebooks, benchmarks):
     `with ServerThread(app, port=0) as server: server.url`. port 0 picks a free port."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                                    limit_concurrency=max_connections))
         self.thread = threading.Thread(target=self.server.run, name="clover-jax-http", daemon=True)
         self.host = host
 

@@ -104,9 +104,7 @@ class ToolCallParser:
         elif body.startswith("{"):
             self.state = "json"
         elif body or final:
-            # neither form: the tag was text after all
-            events.append(("content", START + self.held))
-            self.state, self.held = "content", ""
+            self._abandon(events)  # neither form: the tag was text after all
 
     def _function(self, events: list, final: bool) -> None:
         match = _FUNCTION.match(self.held)
@@ -142,8 +140,15 @@ class ToolCallParser:
                 self.seen.add(name)
                 events.append(("arguments", self.count, fragment))
             return
-        if final or not (FUNCTION_END.startswith(stripped) or _could_begin(stripped, "<parameter=")):
+        if final:
             self._close(events)
+        elif not (FUNCTION_END.startswith(stripped) or _could_begin(stripped, "<parameter=")):
+            # Neither a parameter nor </function> (often </tool_call> straight away): the call's
+            # arguments end here, and what stands before </tool_call> is dropped as after </function>.
+            # Dropping it only up to </tool_call>, never past, keeps the text after the call (a
+            # stream cut anywhere and the whole text agree on where it starts).
+            events.append(("arguments", self.count, "}" if self.seen else "{}"))
+            self.state = "closing"
 
     def _closing(self, events: list, final: bool) -> None:
         """After </function>: the call ends at </tool_call> (anything else there is dropped)."""
@@ -185,9 +190,11 @@ class ToolCallParser:
         self._end(events)
 
     def _abandon(self, events: list) -> None:
-        """Not a tool call after all (no function, broken JSON): its text is content."""
-        events.append(("content", START + self.held))
-        self.state, self.held = "content", ""
+        """Not a tool call after all (no function, broken JSON): the tag is content, and the text after
+        it is read again as content, so that a later call in it is still a call (as it would be had the
+        stream delivered the later call after this one was abandoned)."""
+        events.append(("content", START))
+        self.state, self.text_since_call = "content", True
 
     def _typed(self, name: str, text: str) -> Any:
         """A parameter's text as the type the tool's schema gives it."""
