@@ -15,7 +15,7 @@ import pytest
 
 from tests.checkpoints import TWO_GROUPS, add_clover_tensors, write_hf_checkpoint
 from tests.clover_jax.parallel import sharded_run
-from tests.conftest import MASK_ID
+from tests.conftest import FAST_COMPILE_FLAGS, MASK_ID
 
 SCRIPT = sharded_run.__file__
 # "@inference": the planner's rules, the dense weights split over the expert axis (2 x 4 here).
@@ -24,7 +24,7 @@ QUANTIZED = "2,2,2+int4-g16"
 
 
 def _environment(devices: int) -> dict:
-    environment = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    environment = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}",
                        JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     environment["PYTHONPATH"] = os.pathsep.join([os.getcwd(), environment.get("PYTHONPATH", "")])
     return environment
