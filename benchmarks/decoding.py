@@ -191,6 +191,7 @@ def main(argv=None) -> None:
 
     from clover_jax import CloverModel
     from decoding import GenerationConfig, generate
+    from decoding.modes import MODES, strategy
 
     threads = torch_threads()
     workdir = tempfile.mkdtemp(prefix="clover-bench-decoding-")
@@ -220,7 +221,7 @@ def main(argv=None) -> None:
             def run():
                 out = {"sequences": [], "nfe": []}
                 for prompt in prompts:
-                    extra = {} if mode == "diffusion" else NEUTRAL_CONTROLS
+                    extra = {} if strategy(mode).whole_blocks else NEUTRAL_CONTROLS
                     result = generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
                     out["sequences"].append(result.sequences[0])
                     out["nfe"].append(result.nfe[0])
@@ -259,8 +260,8 @@ def main(argv=None) -> None:
                 "accuracy": score(last["sequences"]) if score else None,
             }
         overhead = {mode: host_overhead(generate, model, prompts, config, mode,
-                                        {} if mode == "diffusion" else NEUTRAL_CONTROLS, new)
-                    for mode in ("diffusion", "autoregressive", "self_speculative")}
+                                        {} if strategy(mode).whole_blocks else NEUTRAL_CONTROLS, new)
+                    for mode in MODES}
         first_token = host_overhead(generate, model, prompts, config, "autoregressive", NEUTRAL_CONTROLS, 1)
         ceiling = diffusion_ceiling(overhead["diffusion"], overhead["autoregressive"], first_token)
         ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]

@@ -31,10 +31,9 @@ from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig
+from decoding.modes import MODES, Mode, as_mode
 from decoding.schedules import resolve, resolve_params
 from decoding.speculative import SpeculativeSpec, run_self_speculative
-
-MODES = ("diffusion", "autoregressive", "self_speculative")
 
 
 def bucket(count: int, step: int) -> int:
@@ -180,6 +179,19 @@ def self_speculative_call(passes: ModelPasses, params: Any, prompts: Sequence[Se
                     np.zeros_like(lengths), lengths)
 
 
+# The loop each mode runs, as a function of the prompts and the options every mode's call takes.
+LOOP_CALLS: dict[Mode, Callable[..., LoopCall]] = {
+    Mode.DIFFUSION: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key, **common:
+        diffusion_call(passes, params, prompts, config, chunk_size, coreset=coreset, coreset_top_p=coreset_top_p,
+                       key=key, **common),
+    Mode.AUTOREGRESSIVE: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key, **common:
+        autoregressive_call(passes, params, prompts, config, chunk_size, key=key, **common),
+    Mode.SELF_SPECULATIVE: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key,
+        **common: self_speculative_call(passes, params, prompts, config, chunk_size, coreset=coreset,
+                                        coreset_top_p=coreset_top_p, **common),
+}
+
+
 def placeholder_calls(passes: ModelPasses, params: Any, config: GenerationConfig, batch: int, prompt_length: int,
                       chunk_size: int, modes: Sequence[str] = MODES) -> dict[str, LoopCall]:
     """The loop of each mode for `batch` prompts of `prompt_length` tokens and `config` (its
@@ -190,17 +202,7 @@ def placeholder_calls(passes: ModelPasses, params: Any, config: GenerationConfig
     coreset, top_p = coreset_of(config, model_config)
     thinking = np.zeros(batch, bool)
     controls, ids, key = controls_of(config), token_ids_of(config), jax.random.key(0)
-    calls = {}
-    for mode in modes:
-        if mode == "diffusion":
-            calls[mode] = diffusion_call(passes, params, prompts, config, chunk_size, coreset=coreset,
-                                         coreset_top_p=top_p, key=key, thinking=thinking, controls=controls, ids=ids)
-        elif mode == "autoregressive":
-            calls[mode] = autoregressive_call(passes, params, prompts, config, chunk_size, key=key, thinking=thinking,
-                                              controls=controls, ids=ids)
-        elif mode == "self_speculative":
-            calls[mode] = self_speculative_call(passes, params, prompts, config, chunk_size, coreset=coreset,
-                                                coreset_top_p=top_p, thinking=thinking, controls=controls, ids=ids)
-        else:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-    return calls
+    return {mode: LOOP_CALLS[as_mode(mode)](passes, params, prompts, config, chunk_size, coreset=coreset,
+                                            coreset_top_p=top_p, key=key, thinking=thinking, controls=controls,
+                                            ids=ids)
+            for mode in modes}

@@ -25,6 +25,7 @@ from decoding.controls import TokenIds
 from decoding.engine import autoregressive_lane, diffusion_lane, speculative_lane
 from decoding.engine.requests import LaneKey, PreparedRequest
 from decoding.engine.slots import capacity_bucket, empty_staging, put_slots, stack_entries, take_slots
+from decoding.modes import Mode, strategy
 from decoding.streaming import response_slice
 
 logger = logging.getLogger(__name__)
@@ -276,16 +277,13 @@ class SpeculativeLane(Lane):
         return outcomes
 
 
-LANES = {"diffusion": DiffusionLane, "autoregressive": AutoregressiveLane, "self_speculative": SpeculativeLane}
+LANES = {Mode.DIFFUSION: DiffusionLane, Mode.AUTOREGRESSIVE: AutoregressiveLane,
+         Mode.SELF_SPECULATIVE: SpeculativeLane}
 
 
 def prefix_length(key: LaneKey, prompt_length: int) -> int:
-    """Prompt tokens a request prefills before it joins its lane: the whole blocks (diffusion; the
-    prompt tail opens the first block), all (autoregressive), all but the pending last token
-    (self-speculative)."""
-    if key.mode == "diffusion":
-        return prompt_length - prompt_length % key.block_size
-    return prompt_length - (key.mode == "self_speculative")
+    """Prompt tokens a request prefills before it joins its lane (`ModeStrategy.prefix_length`)."""
+    return strategy(key.mode).prefix_length(prompt_length, key.block_size)
 
 
 def _power_of_two(count: int) -> int:
