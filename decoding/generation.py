@@ -172,7 +172,7 @@ def _drive_blocks(args, reporter: BlockReporter):
     state = start_blocks(*args)
     block_number = 0
     while True:
-        finished, block = jax.device_get((state.finished, state.tokens[:, block_number]))
+        finished, block = jax.device_get((state.progress.finished, state.tokens[:, block_number]))
         reporter.report(block_number, block, np.ones_like(finished))
         if finished.all():
             return jax.device_get(results(state))
@@ -185,7 +185,7 @@ def _drive_steps(args, on_step, reporter: BlockReporter | None):
     state = start_steps(*args)
     while True:
         record, finished, open_, block_number, steps = jax.device_get(
-            (state.last_step, state.finished, state.open, state.block_iter, state.steps_per_block))
+            (state.last_step, state.progress.finished, state.progress.open, state.block_iter, state.steps_per_block))
         on_step(record)
         waiting = ~open_ | finished
         if reporter is not None and waiting.all():
