@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from clover_jax.core.passes import ModelPasses
-from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
+from decoding.autoregressive import AutoregressiveSpec, LeftPadded, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig
@@ -118,8 +118,10 @@ def diffusion_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[
         blocks_needed = np.full_like(lengths, -(-new // size))
     chunk_blocks = max(1, chunk_size // size)
     prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
-    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
-                    config.do_sample, resolve(config.schedule), coreset, history, chunk_size)
+    spec = LoopSpec(block_size=size, prefix_blocks=prefix_bucket,
+                    max_blocks=bucket(int(blocks_needed.max()), chunk_blocks), steps_cap=config.steps_cap,
+                    do_sample=config.do_sample, schedule=resolve(config.schedule), coreset=coreset, history=history,
+                    chunk_size=chunk_size)
 
     prefix_length = prefix_bucket * size
     prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
@@ -158,8 +160,9 @@ def autoregressive_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequ
     prompt_ids, start, lengths = _left_padded(prompts, chunk_size)
     spec = AutoregressiveSpec(prompt_ids.shape[1], bucket(config.max_new_tokens, chunk_size), config.do_sample,
                               chunk_size)
-    args = (passes, params, spec, prompt_ids, start, np.full(len(prompts), config.max_new_tokens, np.int32),
-            thinking, key, controls, ids)
+    rows = LeftPadded(prompt_ids=prompt_ids, start=start, prompt_thinking=thinking,
+                      max_new_tokens=np.full(len(prompts), config.max_new_tokens, np.int32))
+    args = (passes, params, spec, rows, key, controls, ids)
     return LoopCall(run_autoregressive, args, spec.prompt_length + spec.max_new_tokens, 1,
                     np.zeros_like(lengths), lengths)
 
@@ -173,8 +176,9 @@ def self_speculative_call(passes: ModelPasses, params: Any, prompts: Sequence[Se
     prompt_ids, start, lengths = _left_padded(prompts, chunk_size)
     spec = SpeculativeSpec(prompt_ids.shape[1], bucket(config.max_new_tokens, chunk_size), size, coreset,
                            trajectory, chunk_size)
-    args = (passes, params, spec, prompt_ids, start, np.full(len(prompts), config.max_new_tokens, np.int32),
-            thinking, np.float32(coreset_top_p), controls, ids)
+    rows = LeftPadded(prompt_ids=prompt_ids, start=start, prompt_thinking=thinking,
+                      max_new_tokens=np.full(len(prompts), config.max_new_tokens, np.int32))
+    args = (passes, params, spec, rows, np.float32(coreset_top_p), controls, ids)
     return LoopCall(run_self_speculative, args, spec.prompt_length + spec.max_new_tokens + size, size,
                     np.zeros_like(lengths), lengths)
 

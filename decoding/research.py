@@ -279,9 +279,11 @@ def _run_cell(model, task: Task, label: str, schedule: Any, params: dict, config
             tokens.append(len(out.sequences[offset]))
             nfe.append(out.nfe[offset])
     wall = time.perf_counter() - started
-    return SweepRecord(task.name, label, _described_params(schedule, params, config), config.block_size,
-                       100.0 * sum(correct) / len(correct), sum(nfe) / len(nfe), sum(tokens) / max(sum(nfe), 1),
-                       sum(tokens) / wall, wall, len(correct), sum(tokens) / len(tokens))
+    return SweepRecord(task=task.name, schedule=label, params=_described_params(schedule, params, config),
+                       block_size=config.block_size, accuracy=100.0 * sum(correct) / len(correct),
+                       mean_nfe=sum(nfe) / len(nfe), tokens_per_forward=sum(tokens) / max(sum(nfe), 1),
+                       tokens_per_second=sum(tokens) / wall, wall_time=wall, prompts=len(correct),
+                       mean_response_tokens=sum(tokens) / len(tokens))
 
 
 def _described_params(schedule: Any, params: dict, config: GenerationConfig) -> dict:

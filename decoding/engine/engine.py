@@ -136,9 +136,11 @@ class Engine:
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
         model.check_memory(max_running, max_context, self.defaults.block_size)
         ids = token_ids_of(self.defaults)
-        self.context = ModelContext(
-            model.passes, model.run_params, model.config.vocab_size, ids, frozenset(self.defaults.eos_token_id),
-            model.config.moe_block_coreset_enabled, np.float32(model.config.moe_block_coreset_top_p), max_running)
+        self.context = ModelContext(passes=model.passes, params=model.run_params, vocab=model.config.vocab_size,
+                                    ids=ids, eos=frozenset(self.defaults.eos_token_id),
+                                    coreset=model.config.moe_block_coreset_enabled,
+                                    coreset_top_p=np.float32(model.config.moe_block_coreset_top_p),
+                                    max_slots=max_running)
         self._lock = threading.Condition()
         self._inbox: collections.deque = collections.deque()     # (Tracked) submitted, not yet seen by the loop
         self._cancels: set[int] = set()

@@ -230,9 +230,10 @@ class DiffusionLane(Lane):
 class AutoregressiveLane(Lane):
     def _entry(self, prepared, staging, last_logits):
         config = prepared.config
-        return autoregressive_lane.entry(staging, last_logits, config.max_new_tokens, prepared.thinking,
-                                         prepared.key, prepared.controls, config.do_sample,
-                                         self.context.vocab)
+        return autoregressive_lane.entry(model_state=staging, last_logits=last_logits,
+                                         max_new_tokens=config.max_new_tokens, thinking=prepared.thinking,
+                                         key=prepared.key, controls=prepared.controls, sample=config.do_sample,
+                                         vocab=self.context.vocab)
 
     def _first_nfe(self, prepared):
         return 1
@@ -264,8 +265,9 @@ class SpeculativeLane(Lane):
     def step(self) -> list[Outcome]:
         alive = self.alive()
         self.slots, report = speculative_lane.speculative_step(
-            self.context.passes, self.context.params, self.key.block_size, self.context.coreset, self.slots, alive,
-            self.context.coreset_top_p, self.context.ids)
+            passes=self.context.passes, params=self.context.params, block_size=self.key.block_size,
+            coreset=self.context.coreset, slots=self.slots, alive=alive, coreset_top_p=self.context.coreset_top_p,
+            ids=self.context.ids)
         choices, emitted, finished, nfe = jax.device_get(report)
         outcomes = []
         for slot, tracked in enumerate(self.occupants):
