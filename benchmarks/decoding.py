@@ -61,9 +61,10 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
-NEUTRAL_CONTROLS = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                        dllm_length_penalty=0.0, dllm_think_end_bias=0.0)
+from clover_jax import bundled_model_path  # noqa: E402
+from decoding.generation_config import NEUTRAL_CONTROLS  # noqa: E402
+
+BUNDLED_DIR = str(bundled_model_path())
 RANDOM_FIELDS = dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,

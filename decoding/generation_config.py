@@ -33,11 +33,6 @@ from decoding import schedules
 
 logger = logging.getLogger(__name__)
 
-CLOVER_DEFAULTS = dict(
-    block_size=32, threshold=0.95, presence_penalty=0.9, frequency_penalty=0.0, repetition_penalty=1.05,
-    dllm_length_penalty=10.0, dllm_length_penalty_start=8192, dllm_length_penalty_window=8192,
-    dllm_think_end_bias=10.0, dllm_think_end_start=4096, dllm_think_end_window=4096,
-)
 # Upper bounds, checked before anything is compiled: sizes of a block and of its steps (far beyond
 # any context a model has), and every other integer (traced as int32 inside the decoding loop).
 MAX_BLOCK_COUNT = 2**20
@@ -213,6 +208,13 @@ class GenerationConfig:
     @property
     def steps_cap(self) -> int:
         return self.max_steps_per_block or self.block_size
+
+
+# The model card's decoding controls (docs/design.md §4), as GenerationConfig's field defaults state them.
+CLOVER_DEFAULTS = {field.name: field.default for field in dataclasses.fields(GenerationConfig) if field.name in (
+    "block_size", "threshold", "presence_penalty", "frequency_penalty", "repetition_penalty", "dllm_length_penalty",
+    "dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start",
+    "dllm_think_end_window")}
 
 
 # The reader of each annotation's leading type, for generation_config.json (see `read_generation_config_json`).
