@@ -61,9 +61,10 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
-NEUTRAL_CONTROLS = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                        dllm_length_penalty=0.0, dllm_think_end_bias=0.0)
+from clover_jax import bundled_model_path  # noqa: E402
+from decoding.generation_config import NEUTRAL_CONTROLS  # noqa: E402
+
+BUNDLED_DIR = str(bundled_model_path())
 RANDOM_FIELDS = dict(vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
@@ -191,6 +192,7 @@ def main(argv=None) -> None:
 
     from clover_jax import CloverModel
     from decoding import GenerationConfig, generate
+    from decoding.modes import MODES, strategy
 
     threads = torch_threads()
     workdir = tempfile.mkdtemp(prefix="clover-bench-decoding-")
@@ -220,7 +222,7 @@ def main(argv=None) -> None:
             def run():
                 out = {"sequences": [], "nfe": []}
                 for prompt in prompts:
-                    extra = {} if mode == "diffusion" else NEUTRAL_CONTROLS
+                    extra = {} if strategy(mode).whole_blocks else NEUTRAL_CONTROLS
                     result = generate(model, [prompt], config, mode=mode, max_new_tokens=new, **extra)
                     out["sequences"].append(result.sequences[0])
                     out["nfe"].append(result.nfe[0])
@@ -259,8 +261,8 @@ def main(argv=None) -> None:
                 "accuracy": score(last["sequences"]) if score else None,
             }
         overhead = {mode: host_overhead(generate, model, prompts, config, mode,
-                                        {} if mode == "diffusion" else NEUTRAL_CONTROLS, new)
-                    for mode in ("diffusion", "autoregressive", "self_speculative")}
+                                        {} if strategy(mode).whole_blocks else NEUTRAL_CONTROLS, new)
+                    for mode in MODES}
         first_token = host_overhead(generate, model, prompts, config, "autoregressive", NEUTRAL_CONTROLS, 1)
         ceiling = diffusion_ceiling(overhead["diffusion"], overhead["autoregressive"], first_token)
         ar, tf = timings["clover_autoregressive"]["last"], timings["transformers"]["last"]

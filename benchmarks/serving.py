@@ -38,7 +38,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
-    REPO_ROOT,
     alternate,
     check,
     emit,
@@ -52,7 +51,9 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
+from clover_jax import bundled_model_path  # noqa: E402  (no jax: after setup_environment all the same)
+
+BUNDLED_DIR = str(bundled_model_path())
 CONCURRENCY = (1, 4, 16)
 TARGET = 3.0
 

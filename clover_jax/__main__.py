@@ -1,4 +1,4 @@
-"""`python -m clover_jax ...` is the `clover-jax` command line (clover_jax/api/cli.py)."""
+"""`python -m clover_jax ...` is the `clover-jax` command line (clover_jax/api/cli/)."""
 
 import sys
 

@@ -24,6 +24,16 @@ class AutoregressiveSpec(NamedTuple):
     chunk_size: int      # tokens per causal pass of the prefill
 
 
+class LeftPadded(NamedTuple):
+    """The per-sequence inputs of the loops over left-padded prompts (autoregressive,
+    self-speculative), traced. b = batch."""
+
+    prompt_ids: jax.Array        # int32 [b, prompt_length], left padded
+    start: jax.Array             # int32 [b]: first real row
+    max_new_tokens: jax.Array    # int32 [b]
+    prompt_thinking: jax.Array   # bool [b]: the prompt ends inside an unclosed <think>
+
+
 class AutoregressiveState(NamedTuple):
     model: Any
     logits: jax.Array     # float32 [b, vocab], for the next token
@@ -48,10 +58,8 @@ def next_tokens(logits: jax.Array, counts: jax.Array, index: jax.Array, prompt_t
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
-def run_autoregressive(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persistent_jit pass arguments by position)
-        passes: ModelPasses, params: Any, spec: AutoregressiveSpec, prompt_ids: jax.Array, start: jax.Array,
-        max_new_tokens: jax.Array, prompt_thinking: jax.Array, key: jax.Array, controls: Controls,
-        ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
+def run_autoregressive(passes: ModelPasses, params: Any, spec: AutoregressiveSpec, prompts: LeftPadded,
+                       key: jax.Array, controls: Controls, ids: TokenIds) -> tuple[jax.Array, jax.Array, jax.Array]:
     """returns (tokens int32 [b, max_new_tokens], generated lengths [b], NFE [b]); not the caches.
 
     passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with;
@@ -61,22 +69,24 @@ def run_autoregressive(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persist
     stops once every sequence is finished, so the forward after a sequence's last token never
     runs and the state is never an output of a `lax.cond` (which would copy the caches).
     """
+    prompt_ids, start, max_new_tokens, prompt_thinking = prompts
     batch = prompt_ids.shape[0]
     vocab = passes.config.vocab_size
     model_state = passes.new_state(batch, spec.prompt_length + spec.max_new_tokens, start)
     last_logits, model_state = passes.prefill(params, prompt_ids, model_state, chunk_size=spec.chunk_size,
                                               logits="last")
-    initial = AutoregressiveState(model_state, last_logits[:, 0], jnp.zeros(batch, jnp.int32),
-                                  jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
-                                  jnp.zeros((batch, vocab), jnp.int32), jnp.zeros(batch, bool),
-                                  jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32), jnp.int32(0))
+    initial = AutoregressiveState(model=model_state, logits=last_logits[:, 0], token=jnp.zeros(batch, jnp.int32),
+                                  tokens=jnp.zeros((batch, spec.max_new_tokens), jnp.int32),
+                                  counts=jnp.zeros((batch, vocab), jnp.int32), finished=jnp.zeros(batch, bool),
+                                  lengths=jnp.zeros(batch, jnp.int32), nfe=jnp.ones(batch, jnp.int32),
+                                  index=jnp.int32(0))
 
     def choose_next(state: AutoregressiveState) -> AutoregressiveState:
         index = state.index
         sequence_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))  # sequence i: fold_in(key, i)
-        token = next_tokens(state.logits, state.counts, jnp.broadcast_to(index, (batch,)), prompt_thinking,
-                            sequence_keys, controls, ids,
-                            lambda rows, keys: jax.vmap(
+        token = next_tokens(logits=state.logits, counts=state.counts, index=jnp.broadcast_to(index, (batch,)),
+                            prompt_thinking=prompt_thinking, sequence_keys=sequence_keys, controls=controls, ids=ids,
+                            choose_rows=lambda rows, keys: jax.vmap(
                                 lambda logits, k: choose(logits, controls, spec.do_sample, k))(rows, keys))
         live = ~state.finished
         lengths = state.lengths + live

@@ -102,16 +102,13 @@ class Results(NamedTuple):
 
 
 class LoopState(NamedTuple):
+    """The lockstep batch's loop: every sequence's current block (`BlockProgress`, as one denoising
+    step reads and leaves it; its `block_index` is `block_iter` for every sequence), the caches,
+    and what the outputs keep."""
+
     model: ModelState
-    block: jax.Array             # int32 [b, B]
-    decided: jax.Array           # bool [b, B]
-    fixed: jax.Array             # bool [b, B]
+    progress: BlockProgress
     block_iter: jax.Array        # int32 []: index of the current decoded block
-    step: jax.Array              # int32 [b]: denoising steps taken in the current block
-    open: jax.Array              # bool [b]: the current block still takes steps
-    post_fill: jax.Array         # int32 [b]: steps of the current block that began with no mask
-    counts: jax.Array            # int32 [b, vocab]: response tokens so far (committed + filled)
-    finished: jax.Array          # bool [b]
     tokens: jax.Array            # int32 [b, max_blocks, B]: each decoded block as decided
     steps_per_block: jax.Array   # int32 [b, max_blocks]
     fill_step: jax.Array         # int32 [b, max_blocks, B]: step (1-based) that filled each position
@@ -256,7 +253,7 @@ def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, resp
 
 
 def _denoise_logits(d: Decoder, state: LoopState):
-    out = d.passes.denoise(d.params, state.block, state.model, coreset=d.spec.coreset,
+    out = d.passes.denoise(d.params, state.progress.block, state.model, coreset=d.spec.coreset,
                            coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
     return out.logits, out.distinct_experts
 
@@ -264,11 +261,8 @@ def _denoise_logits(d: Decoder, state: LoopState):
 def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
     """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the step recorded."""
     spec, request, controls = d.spec, d.request, d.controls
-    batch = state.block.shape[0]
-    progress = BlockProgress(
-        block=state.block, decided=state.decided, fixed=state.fixed,
-        block_index=jnp.broadcast_to(state.block_iter, (batch,)), step=state.step, post_fill=state.post_fill,
-        counts=state.counts, finished=state.finished, open=state.open)
+    batch = state.progress.block.shape[0]
+    progress = state.progress._replace(block_index=jnp.broadcast_to(state.block_iter, (batch,)))
     facts = SequenceFacts(
         response_base=request.response_base, prompt_length=request.prompt_length,
         max_new_tokens=request.max_new_tokens, prompt_thinking=request.prompt_thinking,
@@ -287,7 +281,7 @@ def _record_step(spec: LoopSpec, state: LoopState, progress: BlockProgress, deta
                  distinct: jax.Array) -> LoopState:
     """The loop state after a step: the block's progress, and what the outputs keep of it (the
     decided block, its steps, each position's fill step and confidence, the experts, the history)."""
-    batch = state.block.shape[0]
+    batch = state.progress.block.shape[0]
     active, filled, closing, choice = details.active, details.filled, details.closing, details.choice
     slot = (jnp.arange(batch), state.block_iter)
     fill_step = state.fill_step.at[slot].set(jnp.where(filled, progress.step[:, None], state.fill_step[slot]))
@@ -305,8 +299,7 @@ def _record_step(spec: LoopSpec, state: LoopState, progress: BlockProgress, deta
                   changed=(details.edited | details.remasked) & active[:, None])
     history = _record(state.history, record, active) if spec.history else state.history
     return state._replace(
-        block=progress.block, decided=progress.decided, step=progress.step, open=progress.open,
-        post_fill=progress.post_fill, counts=progress.counts, finished=progress.finished, tokens=tokens,
+        progress=progress, tokens=tokens,
         steps_per_block=steps_per_block, fill_step=fill_step, fill_confidence=fill_confidence,
         distinct_experts=distinct_experts, nfe=state.nfe + active, history=history,
         last_step=record if state.last_step is not None else None)
@@ -318,9 +311,10 @@ def _record(history: History, record: dict, active: jax.Array) -> History:
     index = jnp.where(active, history.num_steps, history.block_index.shape[1])  # inactive: dropped
     put = lambda buffer, value: buffer.at[jnp.arange(batch), index].set(value, mode="drop")
     block_index = jnp.broadcast_to(record["block_index"], (batch,))
-    return History(put(history.block_index, block_index), *(
-        put(getattr(history, name), record[name]) for name in History._fields[1:-1]),
-        history.num_steps + active)
+    return history._replace(
+        block_index=put(history.block_index, block_index),
+        **{name: put(getattr(history, name), record[name]) for name in History._fields[1:-1]},
+        num_steps=history.num_steps + active)
 
 
 def _denoise_step(d: Decoder, state: LoopState) -> LoopState:
@@ -329,20 +323,21 @@ def _denoise_step(d: Decoder, state: LoopState) -> LoopState:
 
 def _commit_step(d: Decoder, state: LoopState) -> LoopState:
     """Commit the decided block and run the first denoising step of the next, in one forward."""
-    masks = jnp.full_like(state.block, d.ids.mask)
-    out = d.passes.commit_and_denoise(d.params, state.block, masks, state.model, coreset=d.spec.coreset,
+    progress = state.progress
+    masks = jnp.full_like(progress.block, d.ids.mask)
+    out = d.passes.commit_and_denoise(d.params, progress.block, masks, state.model, coreset=d.spec.coreset,
                                       coreset_top_p=d.request.coreset_top_p, distinct_experts=True)
-    none = jnp.zeros_like(state.decided)
-    state = state._replace(model=out.state, block=masks, decided=none, fixed=none, block_iter=state.block_iter + 1,
-                           step=jnp.zeros_like(state.step), open=~state.finished,
-                           post_fill=jnp.zeros_like(state.post_fill))
+    none = jnp.zeros_like(progress.decided)
+    progress = progress._replace(block=masks, decided=none, fixed=none, step=jnp.zeros_like(progress.step),
+                                 open=~progress.finished, post_fill=jnp.zeros_like(progress.post_fill))
+    state = state._replace(model=out.state, progress=progress, block_iter=state.block_iter + 1)
     return _apply_step(d, state, out.logits, out.distinct_experts)
 
 
 def _finish_block(d: Decoder, state: LoopState) -> LoopState:
     """Denoising steps until no unfinished sequence has its block open (the state is read only)."""
     limit = 2 * d.spec.steps_cap
-    state, _ = jax.lax.while_loop(lambda c: jnp.any(c[0].open & ~c[0].finished) & (c[1] < limit),
+    state, _ = jax.lax.while_loop(lambda c: jnp.any(c[0].progress.open & ~c[0].progress.finished) & (c[1] < limit),
                                   lambda c: (_denoise_step(d, c[0]), c[1] + 1), (state, jnp.int32(0)))
     return state
 
@@ -360,14 +355,18 @@ def _start(d: Decoder, track_steps: bool) -> LoopState:
     if spec.history:
         steps = spec.max_steps
         zeros = lambda dtype, *shape: jnp.zeros((batch, steps) + shape, dtype)
-        history = History(zeros(jnp.int32), zeros(bool, size), zeros(jnp.int32, size), zeros(jnp.float32, size),
-                          zeros(jnp.float32, size), zeros(jnp.float32, size), zeros(bool, size), zeros(bool, size),
-                          jnp.zeros(batch, jnp.int32))
-    state = LoopState(
-        model=model_state, block=request.first_block, decided=request.fixed, fixed=request.fixed,
-        block_iter=jnp.int32(0), step=jnp.zeros(batch, jnp.int32), open=jnp.ones(batch, bool),
+        history = History(
+            block_index=zeros(jnp.int32), masked_before=zeros(bool, size), candidate=zeros(jnp.int32, size),
+            confidence=zeros(jnp.float32, size), margin=zeros(jnp.float32, size), entropy=zeros(jnp.float32, size),
+            filled=zeros(bool, size), changed=zeros(bool, size), num_steps=jnp.zeros(batch, jnp.int32))
+    progress = BlockProgress(
+        block=request.first_block, decided=request.fixed, fixed=request.fixed,
+        block_index=jnp.zeros(batch, jnp.int32), step=jnp.zeros(batch, jnp.int32),
         post_fill=jnp.zeros(batch, jnp.int32), counts=jnp.zeros((batch, vocab), jnp.int32),
-        finished=jnp.zeros(batch, bool), tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
+        finished=jnp.zeros(batch, bool), open=jnp.ones(batch, bool))
+    state = LoopState(
+        model=model_state, progress=progress, block_iter=jnp.int32(0),
+        tokens=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
         steps_per_block=jnp.zeros((batch, spec.max_blocks), jnp.int32),
         fill_step=jnp.zeros((batch, spec.max_blocks, size), jnp.int32),
         fill_confidence=jnp.zeros((batch, spec.max_blocks, size), jnp.float32),
@@ -378,12 +377,13 @@ def _start(d: Decoder, track_steps: bool) -> LoopState:
 
 
 def results(state: LoopState) -> Results:
-    return Results(state.tokens, state.steps_per_block, state.fill_step, state.fill_confidence,
-                   state.distinct_experts, state.nfe, state.history)
+    return Results(tokens=state.tokens, steps_per_block=state.steps_per_block, fill_step=state.fill_step,
+                   fill_confidence=state.fill_confidence, distinct_experts=state.distinct_experts, nfe=state.nfe,
+                   history=state.history)
 
 
 def _all_finished(state: LoopState) -> jax.Array:
-    return jnp.all(state.finished)
+    return jnp.all(state.progress.finished)
 
 
 # ---------------------------------------------------------------------- drivers

@@ -26,17 +26,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from clover_jax.core.config import CloverConfig
+from clover_jax.core.errors import INVALID_TYPE, INVALID_VALUE, UNKNOWN_FIELD, FieldError
 from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
 from decoding import schedules
 
 logger = logging.getLogger(__name__)
 
-CLOVER_DEFAULTS = dict(
-    block_size=32, threshold=0.95, presence_penalty=0.9, frequency_penalty=0.0, repetition_penalty=1.05,
-    dllm_length_penalty=10.0, dllm_length_penalty_start=8192, dllm_length_penalty_window=8192,
-    dllm_think_end_bias=10.0, dllm_think_end_start=4096, dllm_think_end_window=4096,
-)
 # Upper bounds, checked before anything is compiled: sizes of a block and of its steps (far beyond
 # any context a model has), and every other integer (traced as int32 inside the decoding loop).
 MAX_BLOCK_COUNT = 2**20
@@ -145,67 +141,80 @@ class GenerationConfig:
     def replace(self, **overrides: Any) -> "GenerationConfig":
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
         if unknown:
-            raise ValueError(f"unknown generation options {unknown}; known: "
-                             f"{sorted(f.name for f in dataclasses.fields(self))}")
+            raise FieldError(unknown[0], f"unknown generation options {unknown}; known: "
+                             f"{sorted(f.name for f in dataclasses.fields(self))}", code=UNKNOWN_FIELD)
         return dataclasses.replace(self, **overrides)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        def need(condition: bool, message: str) -> None:
+        def need(field: str, condition: bool, message: str, code: str = INVALID_VALUE) -> None:
             if not condition:
-                raise ValueError(message)
+                raise FieldError(field, message, code=code)
 
         def need_int(name: str, low: int, high: int, note: str = "", optional: bool = False) -> None:
             value = getattr(self, name)
             if optional and value is None:
                 return
-            need(is_integer(value) and low <= value <= high,
+            need(name, is_integer(value) and low <= value <= high,
                  f"{name} must be an integer >= {low} and <= {high}{note}, got {value!r}")
 
         for name in ("threshold", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "dllm_length_penalty", "dllm_think_end_bias", "margin_threshold",
                      "entropy_bound") + (("coreset_top_p",) if self.coreset_top_p is not None else ()):
             value = getattr(self, name)
-            need(isinstance(value, numbers.Real) and not isinstance(value, bool),
-                 f"{name} must be a number, got {value!r}")
-            need(is_finite_number(value), f"{name} must be a finite number, got {value!r}")
+            need(name, isinstance(value, numbers.Real) and not isinstance(value, bool),
+                 f"{name} must be a number, got {value!r}", INVALID_TYPE)
+            need(name, is_finite_number(value), f"{name} must be a finite number, got {value!r}")
         for name in ("do_sample",) + (("coreset",) if self.coreset is not None else ()):
-            need(isinstance(getattr(self, name), (bool, np.bool_)),
-                 f"{name} must be True or False, got {getattr(self, name)!r}")
-        need(isinstance(self.eos_token_id, tuple) and all(is_integer(e) and 0 <= e <= MAX_INT32
+            need(name, isinstance(getattr(self, name), (bool, np.bool_)),
+                 f"{name} must be True or False, got {getattr(self, name)!r}", INVALID_TYPE)
+        need("eos_token_id", isinstance(self.eos_token_id, tuple) and all(is_integer(e) and 0 <= e <= MAX_INT32
                                                           for e in self.eos_token_id),
              f"eos_token_id must be an int or a list of ints (token ids >= 0), got {self.eos_token_id!r}")
         for name in ("mask_token_id", "think_start_token_id", "think_end_token_id"):
             need_int(name, 0, MAX_INT32, " (a token id)", optional=True)
         need_int("max_new_tokens", 1, MAX_INT32, optional=True)
         need_int("block_size", 1, MAX_BLOCK_COUNT)
-        need(0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")
+        need("threshold", 0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")
         if self.do_sample:  # transformers' configs may carry temperature 0 with greedy decoding
-            need(self.temperature > 0, f"temperature must be > 0 when do_sample=True, got {self.temperature}")
+            need("temperature", self.temperature > 0,
+                 f"temperature must be > 0 when do_sample=True, got {self.temperature}")
         need_int("top_k", 0, MAX_INT32, " (0: off)")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty", "dllm_length_penalty", "dllm_think_end_bias"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+            need(name, getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need("repetition_penalty", self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         for name in ("dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_start",
                      "dllm_think_end_window"):
             need_int(name, 0, MAX_INT32)
-        need(isinstance(self.block_alignment, str) and self.block_alignment in ("absolute", "prompt"),
+        need("block_alignment",
+             isinstance(self.block_alignment, str) and self.block_alignment in ("absolute", "prompt"),
              f"block_alignment must be 'absolute' or 'prompt', got {self.block_alignment!r}")
-        need(callable(self.schedule) or isinstance(self.schedule, str) and self.schedule in schedules.BY_NAME,
+        need("schedule",
+             callable(self.schedule) or isinstance(self.schedule, str) and self.schedule in schedules.BY_NAME,
              f"schedule must be one of {sorted(schedules.BY_NAME)} or a function, got {self.schedule!r}")
-        need(self.schedule_params is None or isinstance(self.schedule_params, Mapping),
+        need("schedule_params", self.schedule_params is None or isinstance(self.schedule_params, Mapping),
              f"schedule_params must be a dict of parameter values, got {self.schedule_params!r}")
         need_int("max_steps_per_block", 1, MAX_BLOCK_COUNT, optional=True)
         need_int("tokens_per_step", 1, MAX_BLOCK_COUNT)
-        need(self.margin_threshold >= 0, f"margin_threshold must be >= 0, got {self.margin_threshold}")
-        need(self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}")
+        need("margin_threshold", self.margin_threshold >= 0,
+             f"margin_threshold must be >= 0, got {self.margin_threshold}")
+        need("entropy_bound", self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}")
         if self.coreset_top_p is not None:
-            need(0.0 < self.coreset_top_p <= 1.0, f"coreset_top_p must be in (0, 1], got {self.coreset_top_p}")
+            need("coreset_top_p", 0.0 < self.coreset_top_p <= 1.0,
+                 f"coreset_top_p must be in (0, 1], got {self.coreset_top_p}")
 
     @property
     def steps_cap(self) -> int:
         return self.max_steps_per_block or self.block_size
+
+
+# The model card's decoding controls (docs/design.md §4), as GenerationConfig's field defaults state them.
+CLOVER_DEFAULTS = {field.name: field.default for field in dataclasses.fields(GenerationConfig) if field.name in (
+    "block_size", "threshold", "presence_penalty", "frequency_penalty", "repetition_penalty", "dllm_length_penalty",
+    "dllm_length_penalty_start", "dllm_length_penalty_window", "dllm_think_end_bias", "dllm_think_end_start",
+    "dllm_think_end_window")}
 
 
 # The reader of each annotation's leading type, for generation_config.json (see `read_generation_config_json`).

@@ -27,14 +27,13 @@ import jax
 import numpy as np
 
 from clover_jax.core.passes import ModelPasses
-from decoding.autoregressive import AutoregressiveSpec, run_autoregressive
+from decoding.autoregressive import AutoregressiveSpec, LeftPadded, run_autoregressive
 from decoding.block_loop import LoopSpec, Request, run_block_decoder
 from decoding.controls import Controls, TokenIds
 from decoding.generation_config import GenerationConfig
+from decoding.modes import MODES, Mode, as_mode
 from decoding.schedules import resolve, resolve_params
 from decoding.speculative import SpeculativeSpec, run_self_speculative
-
-MODES = ("diffusion", "autoregressive", "self_speculative")
 
 
 def bucket(count: int, step: int) -> int:
@@ -119,8 +118,10 @@ def diffusion_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequence[
         blocks_needed = np.full_like(lengths, -(-new // size))
     chunk_blocks = max(1, chunk_size // size)
     prefix_bucket = bucket(int(prefix_blocks.max()), chunk_blocks)
-    spec = LoopSpec(size, prefix_bucket, bucket(int(blocks_needed.max()), chunk_blocks), config.steps_cap,
-                    config.do_sample, resolve(config.schedule), coreset, history, chunk_size)
+    spec = LoopSpec(block_size=size, prefix_blocks=prefix_bucket,
+                    max_blocks=bucket(int(blocks_needed.max()), chunk_blocks), steps_cap=config.steps_cap,
+                    do_sample=config.do_sample, schedule=resolve(config.schedule), coreset=coreset, history=history,
+                    chunk_size=chunk_size)
 
     prefix_length = prefix_bucket * size
     prefix_ids = np.zeros((len(prompts), prefix_length), np.int32)
@@ -159,8 +160,9 @@ def autoregressive_call(passes: ModelPasses, params: Any, prompts: Sequence[Sequ
     prompt_ids, start, lengths = _left_padded(prompts, chunk_size)
     spec = AutoregressiveSpec(prompt_ids.shape[1], bucket(config.max_new_tokens, chunk_size), config.do_sample,
                               chunk_size)
-    args = (passes, params, spec, prompt_ids, start, np.full(len(prompts), config.max_new_tokens, np.int32),
-            thinking, key, controls, ids)
+    rows = LeftPadded(prompt_ids=prompt_ids, start=start, prompt_thinking=thinking,
+                      max_new_tokens=np.full(len(prompts), config.max_new_tokens, np.int32))
+    args = (passes, params, spec, rows, key, controls, ids)
     return LoopCall(run_autoregressive, args, spec.prompt_length + spec.max_new_tokens, 1,
                     np.zeros_like(lengths), lengths)
 
@@ -174,10 +176,24 @@ def self_speculative_call(passes: ModelPasses, params: Any, prompts: Sequence[Se
     prompt_ids, start, lengths = _left_padded(prompts, chunk_size)
     spec = SpeculativeSpec(prompt_ids.shape[1], bucket(config.max_new_tokens, chunk_size), size, coreset,
                            trajectory, chunk_size)
-    args = (passes, params, spec, prompt_ids, start, np.full(len(prompts), config.max_new_tokens, np.int32),
-            thinking, np.float32(coreset_top_p), controls, ids)
+    rows = LeftPadded(prompt_ids=prompt_ids, start=start, prompt_thinking=thinking,
+                      max_new_tokens=np.full(len(prompts), config.max_new_tokens, np.int32))
+    args = (passes, params, spec, rows, np.float32(coreset_top_p), controls, ids)
     return LoopCall(run_self_speculative, args, spec.prompt_length + spec.max_new_tokens + size, size,
                     np.zeros_like(lengths), lengths)
+
+
+# The loop each mode runs, as a function of the prompts and the options every mode's call takes.
+LOOP_CALLS: dict[Mode, Callable[..., LoopCall]] = {
+    Mode.DIFFUSION: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key, **common:
+        diffusion_call(passes, params, prompts, config, chunk_size, coreset=coreset, coreset_top_p=coreset_top_p,
+                       key=key, **common),
+    Mode.AUTOREGRESSIVE: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key, **common:
+        autoregressive_call(passes, params, prompts, config, chunk_size, key=key, **common),
+    Mode.SELF_SPECULATIVE: lambda passes, params, prompts, config, chunk_size, *, coreset, coreset_top_p, key,
+        **common: self_speculative_call(passes, params, prompts, config, chunk_size, coreset=coreset,
+                                        coreset_top_p=coreset_top_p, **common),
+}
 
 
 def placeholder_calls(passes: ModelPasses, params: Any, config: GenerationConfig, batch: int, prompt_length: int,
@@ -190,17 +206,7 @@ def placeholder_calls(passes: ModelPasses, params: Any, config: GenerationConfig
     coreset, top_p = coreset_of(config, model_config)
     thinking = np.zeros(batch, bool)
     controls, ids, key = controls_of(config), token_ids_of(config), jax.random.key(0)
-    calls = {}
-    for mode in modes:
-        if mode == "diffusion":
-            calls[mode] = diffusion_call(passes, params, prompts, config, chunk_size, coreset=coreset,
-                                         coreset_top_p=top_p, key=key, thinking=thinking, controls=controls, ids=ids)
-        elif mode == "autoregressive":
-            calls[mode] = autoregressive_call(passes, params, prompts, config, chunk_size, key=key, thinking=thinking,
-                                              controls=controls, ids=ids)
-        elif mode == "self_speculative":
-            calls[mode] = self_speculative_call(passes, params, prompts, config, chunk_size, coreset=coreset,
-                                                coreset_top_p=top_p, thinking=thinking, controls=controls, ids=ids)
-        else:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-    return calls
+    return {mode: LOOP_CALLS[as_mode(mode)](passes, params, prompts, config, chunk_size, coreset=coreset,
+                                            coreset_top_p=top_p, key=key, thinking=thinking, controls=controls,
+                                            ids=ids)
+            for mode in modes}

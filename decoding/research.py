@@ -3,12 +3,14 @@
     from decoding import research
     records = research.sweep(model, {"low_confidence": {"threshold": [0.9, 0.7, 0.5]},
                                      "dream": {"alg": ["entropy"], "steps": [4, 8]}},
-                             block_sizes=[8, 16], task="sort", output="sweep.jsonl")
+                             block_sizes=[8, 16], task=research.jsonl_task("problems.jsonl", tokenizer),
+                             output="sweep.jsonl")
     research.aup_by_schedule(records)          # {"low_confidence (B=8)": ..., ...}
     research.plot_tradeoff(records)             # accuracy against tokens per forward (matplotlib)
 
-A task is prompts (token ids) with a scorer: the bundled model's digit-sorting task is built in
-(`sort_task`), and `jsonl_task` reads any JSONL of {"prompt": ..., "answer": ...} lines. Every cell
+A task is prompts (token ids) with a scorer: `jsonl_task` reads any JSONL of {"prompt": ...,
+"answer": ...} lines; the bundled model's digit-sorting task, and tasks named by a string, are the
+application's (`clover_jax.api.research_tasks`, whose `sweep` takes `task="sort"`). Every cell
 of the grid (schedule × parameters × block size) decodes the whole task greedily (in batches of
 `batch_size`) and gives one `SweepRecord`.
 """
@@ -83,25 +85,6 @@ def final_answer_match(response: str, answer: str) -> bool:
     return response.split("</think>")[-1].strip() == str(answer).strip()
 
 
-def sort_task(tokenizer, count: int = 64, min_digits: int = 4, max_digits: int = 8,
-              seed: int | None = None) -> Task:
-    """The bundled model's task (`clover_jax.training.task.SortDigits`): `count` held-out lists of
-    `min_digits`..`max_digits` digits, chat-formatted with thinking on; right when the answer after
-    `</think>` is the sorted digits and the response ends with <|im_end|>. Lists longer than the
-    training range (8) make the task harder."""
-    from clover_jax.training.task import SortDigits
-
-    task = SortDigits(min_digits, max_digits) if seed is None else SortDigits(min_digits, max_digits, seed)
-    problems = task.held_out(count)
-    backend = tokenizer.backend
-    prompts = [task.encode(backend, problem).prompt for problem in problems]
-
-    def score(index: int, response: Sequence[int]) -> float:
-        return float(task.is_correct(problems[index], tokenizer.decode(response)))
-
-    return Task(f"sort{min_digits}-{max_digits}", prompts, score, task.max_lengths(backend)[1])
-
-
 def jsonl_task(path: str | os.PathLike, tokenizer, scorer: Scorer = final_answer_match, chat: bool = True,
                enable_thinking: bool = True, max_new_tokens: int | None = None, name: str | None = None) -> Task:
     """A task from a JSONL file of {"prompt": str, "answer": str} lines. `chat`: the prompt is the
@@ -159,8 +142,8 @@ class SweepRecord:
 
 
 def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int] | None = None,
-          task: "Task | str | os.PathLike" = "sort", *, tokenizer=None,
-          generation_config: GenerationConfig | None = None, batch_size: int | None = None,
+          task: "Task | None" = None, *, generation_config: GenerationConfig | None = None,
+          batch_size: int | None = None,
           output: "str | os.PathLike | Sequence[str | os.PathLike] | None" = None,
           warmup: bool = True, share_compilation: bool = True, progress: bool = True,
           **overrides: Any) -> list[SweepRecord]:
@@ -168,8 +151,8 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
 
     schedules: names (or schedule functions) with their defaults, or a mapping from a name (or
     function) to its grid: {parameter: [values]} (every combination) or a list of parameter dicts.
-    block_sizes: None = the generation config's. task: "sort" (the bundled model's task, from the
-    tokenizer at the model's path), a path to a JSONL of {"prompt", "answer"} lines, or a `Task`.
+    block_sizes: None = the generation config's. task: a `Task` (by name or path:
+    `clover_jax.api.research_tasks.sweep`).
     overrides: GenerationConfig fields for every cell. output: .jsonl / .csv path(s) the records
     are written to. warmup: decode the first batch once, untimed, before each compiled group
     (schedule × block size), so that wall times leave compilation out. share_compilation: the named
@@ -180,7 +163,7 @@ def sweep(model, schedules: Any = ("low_confidence",), block_sizes: Sequence[int
     generation config) before anything is decoded.
     """
     base = _base_config(model, generation_config, overrides)
-    task = _load_task(model, task, tokenizer)
+    task = _checked_task(task)
     max_new_tokens = task.max_new_tokens or base.max_new_tokens
     if max_new_tokens is None:
         raise ValueError(f"task {task.name!r} sets no max_new_tokens; pass max_new_tokens=...")
@@ -236,21 +219,11 @@ def _base_config(model, generation_config: GenerationConfig | None, overrides: M
     return generation_config.replace(**overrides)
 
 
-def _load_task(model, task: "Task | str | os.PathLike", tokenizer) -> Task:
-    if isinstance(task, Task):
-        return task
-    if tokenizer is None:
-        from clover_jax.api.tokenization import Tokenizer
-
-        path = getattr(model, "path", None)
-        if path is None:
-            raise ValueError("the task needs a tokenizer: pass tokenizer=... (the model has no checkpoint path)")
-        tokenizer = Tokenizer.from_pretrained(path)
-    if task == "sort":
-        return sort_task(tokenizer)
-    if isinstance(task, (str, os.PathLike)) and str(task).endswith(".jsonl"):
-        return jsonl_task(task, tokenizer)
-    raise ValueError(f"task must be 'sort', a .jsonl path or a decoding.research.Task, got {task!r}")
+def _checked_task(task: Any) -> Task:
+    if not isinstance(task, Task):
+        raise ValueError(f"task must be a decoding.research.Task, got {task!r} (by name or .jsonl path: "
+                         "clover_jax.api.research_tasks.sweep)")
+    return task
 
 
 def _schedule_grids(schedules: Any) -> list[tuple[str, Any, list[dict]]]:
@@ -306,9 +279,11 @@ def _run_cell(model, task: Task, label: str, schedule: Any, params: dict, config
             tokens.append(len(out.sequences[offset]))
             nfe.append(out.nfe[offset])
     wall = time.perf_counter() - started
-    return SweepRecord(task.name, label, _described_params(schedule, params, config), config.block_size,
-                       100.0 * sum(correct) / len(correct), sum(nfe) / len(nfe), sum(tokens) / max(sum(nfe), 1),
-                       sum(tokens) / wall, wall, len(correct), sum(tokens) / len(tokens))
+    return SweepRecord(task=task.name, schedule=label, params=_described_params(schedule, params, config),
+                       block_size=config.block_size, accuracy=100.0 * sum(correct) / len(correct),
+                       mean_nfe=sum(nfe) / len(nfe), tokens_per_forward=sum(tokens) / max(sum(nfe), 1),
+                       tokens_per_second=sum(tokens) / wall, wall_time=wall, prompts=len(correct),
+                       mean_response_tokens=sum(tokens) / len(tokens))
 
 
 def _described_params(schedule: Any, params: dict, config: GenerationConfig) -> dict:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from clover_jax.core.executable_cache import persistent_jit
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
+from decoding.autoregressive import LeftPadded
 from decoding.controls import Controls, TokenIds, choose, process_batch
 
 
@@ -170,21 +171,20 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
     next_pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
     distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
                 else jnp.zeros((batch,), jnp.float32))
-    return RoundOutcome(rolled, next_pending, choices, emitted, counts, new_lengths, finished, drafts, accepted,
-                        distinct)
+    return RoundOutcome(model=rolled, pending=next_pending, choices=choices, emitted=emitted, counts=counts,
+                        lengths=new_lengths, finished=finished, drafts=drafts, accepted=accepted,
+                        distinct_experts=distinct)
 
 
 @persistent_jit(static_argnames=("passes", "spec"))
-def run_self_speculative(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persistent_jit pass arguments by position)
-        passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompt_ids: jax.Array, start: jax.Array,
-        max_new_tokens: jax.Array, prompt_thinking: jax.Array, coreset_top_p: jax.Array, controls: Controls,
-        ids: TokenIds) -> SpeculativeResults:
+def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded,
+                         coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
     """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
 
-    prompt_ids: int32 [b, prompt_length], left padded (`start` [b]: first real row);
-    max_new_tokens: int32 [b]; prompt_thinking: bool [b]; coreset_top_p: float32 [];
+    prompts: the left-padded prompts (`decoding.autoregressive.LeftPadded`); coreset_top_p: float32 [];
     passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with.
     """
+    prompt_ids, start, max_new_tokens, prompt_thinking = prompts
     batch, size = prompt_ids.shape[0], spec.block_size
     vocab, limit = passes.config.vocab_size, spec.max_new_tokens
     capacity = spec.prompt_length + spec.max_new_tokens + size
@@ -196,16 +196,19 @@ def run_self_speculative(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persi
         rounds = Rounds(jnp.zeros((batch, limit, size), jnp.int32), jnp.zeros((batch, limit), jnp.int32),
                         jnp.zeros((batch, limit), jnp.int32), jnp.zeros(batch, jnp.int32))
     has_prefill = (spec.prompt_length - start) > 1
-    initial = SpeculativeState(
-        model_state, prompt_ids[:, -1], jnp.zeros((batch, limit), jnp.int32), jnp.zeros((batch, vocab), jnp.int32),
-        jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32), has_prefill.astype(jnp.int32),
-        jnp.zeros((batch, limit), jnp.float32), rounds, jnp.int32(0))
+    initial = SpeculativeState(model=model_state, pending=prompt_ids[:, -1],
+                               tokens=jnp.zeros((batch, limit), jnp.int32), counts=jnp.zeros((batch, vocab), jnp.int32),
+                               finished=jnp.zeros(batch, bool), lengths=jnp.zeros(batch, jnp.int32),
+                               nfe=has_prefill.astype(jnp.int32),
+                               distinct_experts=jnp.zeros((batch, limit), jnp.float32), rounds=rounds,
+                               round=jnp.int32(0))
 
     def one_round(s: SpeculativeState) -> SpeculativeState:
         active = ~s.finished
-        out = speculative_round(passes, params, size, spec.coreset, coreset_top_p, controls, ids, prompt_thinking,
-                                max_new_tokens=max_new_tokens, model=s.model, pending=s.pending, counts=s.counts,
-                                lengths=s.lengths, active=active)
+        out = speculative_round(passes=passes, params=params, size=size, coreset=spec.coreset,
+                                coreset_top_p=coreset_top_p, controls=controls, ids=ids,
+                                prompt_thinking=prompt_thinking, max_new_tokens=max_new_tokens, model=s.model,
+                                pending=s.pending, counts=s.counts, lengths=s.lengths, active=active)
         offsets = jnp.arange(size + 1)
         written = offsets[None, :] < out.emitted[:, None]                                 # [b, B+1]
         columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped
@@ -217,8 +220,9 @@ def run_self_speculative(  # noqa: PLR0917 (a loop program: LoopCall, AOT, persi
             put = lambda buffer, value: buffer.at[jnp.arange(batch), at].set(value, mode="drop")
             rounds = Rounds(put(rounds.drafts, out.drafts), put(rounds.accepted, out.accepted),
                             put(rounds.emitted, out.emitted), rounds.num_rounds + active)
-        return SpeculativeState(out.model, out.pending, tokens, out.counts, s.finished | out.finished, out.lengths,
-                                s.nfe + 2 * active, distinct, rounds, s.round + 1)
+        return SpeculativeState(model=out.model, pending=out.pending, tokens=tokens, counts=out.counts,
+                                finished=s.finished | out.finished, lengths=out.lengths, nfe=s.nfe + 2 * active,
+                                distinct_experts=distinct, rounds=rounds, round=s.round + 1)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.round < limit), one_round, initial)
     return SpeculativeResults(final.tokens, final.lengths, final.nfe, final.distinct_experts, final.rounds)

@@ -22,7 +22,7 @@ import types
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "CHUNK_SIZE": "pallas_kernels.gdn_chunk",
+    "CHUNK_SIZE": "pallas_kernels.gdn_chunk_size",
     "gdn_chunk": "pallas_kernels.gdn_chunk",
     "gdn_chunk_reference": "pallas_kernels.gdn_chunk_reference",
     "GPU_TILES": "pallas_kernels.grouped_matmul",
@@ -39,8 +39,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
-    from pallas_kernels.gdn_chunk import CHUNK_SIZE as CHUNK_SIZE, gdn_chunk as gdn_chunk
+    from pallas_kernels.gdn_chunk import gdn_chunk as gdn_chunk
     from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference as gdn_chunk_reference
+    from pallas_kernels.gdn_chunk_size import CHUNK_SIZE as CHUNK_SIZE
     from pallas_kernels.grouped_matmul import (
         GPU_TILES as GPU_TILES,
         TPU_TILES as TPU_TILES,

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
+from pallas_kernels.gdn_chunk_size import CHUNK_SIZE
 from pallas_kernels.gdn_chunk_step import gdn_chunk_step
 from pallas_kernels.platforms import Variant, per_platform
 
-CHUNK_SIZE = 64
 _F32 = jnp.float32
 
 

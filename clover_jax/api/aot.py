@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-logger = logging.getLogger(__name__)
+from decoding.modes import MODES
 
-MODES = ("diffusion", "autoregressive", "self_speculative")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

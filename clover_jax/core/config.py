@@ -240,8 +240,8 @@ class CloverConfig:
             attention_bias=fields.boolean("attention_bias", False),
             eos_token_id=fields.ids("eos_token_id"),
             mask_token_id=fields.integer("mask_token_id", None, minimum=0),
-            moe_block_coreset_enabled=fields.boolean("moe_block_coreset_enabled", True),
-            moe_block_coreset_top_p=fields.number("moe_block_coreset_top_p", 0.9),
+            moe_block_coreset_enabled=fields.boolean("moe_block_coreset_enabled", cls.moe_block_coreset_enabled),
+            moe_block_coreset_top_p=fields.number("moe_block_coreset_top_p", cls.moe_block_coreset_top_p),
             model_type=model_type,
             checkpoint_dtype=dtype if dtype is not None else fields.string("torch_dtype", None),
         )

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 
+from pallas_kernels.gdn_chunk_size import CHUNK_SIZE
 from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
 
 __all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice",
@@ -117,10 +118,8 @@ class KernelChoice:
         if causal_rows == 1:
             return GDNRule("recurrent", 1, self.interpret)
         if self.gdn == "pallas":
-            from pallas_kernels.gdn_chunk import CHUNK_SIZE  # on use: importing Pallas costs startup time
-
             return GDNRule("pallas", self.gdn_chunk or CHUNK_SIZE, self.interpret)
-        chunk = self.gdn_chunk or min(64, max(16, 1 << max(0, causal_rows - 1).bit_length()))
+        chunk = self.gdn_chunk or min(CHUNK_SIZE, max(16, 1 << max(0, causal_rows - 1).bit_length()))
         return GDNRule("chunked", chunk, self.interpret)
 
     def expert_rule(self, quantized: bool, expert_devices: int = 1, on_mesh: bool = False) -> ExpertRule:

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-CHUNK_SIZE = 64
+from pallas_kernels.gdn_chunk_size import CHUNK_SIZE
+
 _EXACT = jax.lax.Precision.HIGHEST  # the recurrent state stays float32 on TPU too
 
 

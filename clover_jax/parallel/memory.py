@@ -18,11 +18,12 @@ import numpy as np
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KEY_BLOCK
 from clover_jax.core.params import parameter_counts
+from pallas_kernels.gdn_chunk_size import CHUNK_SIZE
 
 if TYPE_CHECKING:
     from clover_jax.parallel.sharding import MeshSharding
 
-GDN_CHUNK = 64
+GDN_CHUNK = CHUNK_SIZE  # the chunked gated delta rule's chunk length
 
 
 @dataclasses.dataclass(frozen=True)

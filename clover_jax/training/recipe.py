@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clover_jax import bundled_model_path
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.state import empty_state
 from clover_jax.nn.model import CloverTransformer
@@ -44,8 +45,8 @@ from clover_jax.training.vocabulary import (
 
 logger = logging.getLogger(__name__)
 
-BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bundled")
-BUNDLED_DIR = os.path.join(BUNDLED, "tiny-clover")
+BUNDLED_DIR = str(bundled_model_path())
+BUNDLED = os.path.dirname(BUNDLED_DIR)
 BASE_DIR = os.path.join(BUNDLED, "tiny-qwen-base")
 
 
@@ -93,7 +94,7 @@ def model_config(recipe: Recipe, special: dict[str, int | None], vocab_size: int
         num_experts_per_tok=recipe.num_experts_per_tok, rms_norm_eps=1e-6, rope_theta=10_000.0,
         partial_rotary_factor=0.25, max_position_embeddings=1024, tie_word_embeddings=False,
         eos_token_id=(special[IM_END], special[ENDOFTEXT]), mask_token_id=special[MASK] if clover else None,
-        moe_block_coreset_enabled=True, moe_block_coreset_top_p=0.9, model_type=model_type)
+        model_type=model_type)  # the coreset fields: CloverConfig's defaults
 
 
 def generation_config(recipe: Recipe, special: dict[str, int | None], clover: bool = True) -> dict[str, Any]:

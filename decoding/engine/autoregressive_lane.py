@@ -52,8 +52,9 @@ def autoregressive_step(passes: ModelPasses, params: Any, slots: AutoregressiveS
 
     choose_rows = per_slot_choice(controls, slots.sample, sample)
 
-    token = next_tokens(slots.logits, slots.counts, slots.generated, slots.prompt_thinking, slots.key, controls,
-                        ids, choose_rows)
+    token = next_tokens(logits=slots.logits, counts=slots.counts, index=slots.generated,
+                        prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls, ids=ids,
+                        choose_rows=choose_rows)
     generated = slots.generated + alive
     finished = alive & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1) | (generated >= slots.max_new_tokens))
     counts = slots.counts.at[jnp.arange(token.shape[0]), token].add(alive.astype(jnp.int32))
@@ -70,8 +71,8 @@ def entry(model_state: ModelState, last_logits: jax.Array, max_new_tokens: int, 
     """One slot's state for a request whose prompt `model_state` holds; last_logits: float32 [1, V];
     key: the request's key with a slot axis ([1])."""
     one = lambda value, dtype: np.asarray([value], dtype)
-    return AutoregressiveSlots(
-        one_slot(model_state), last_logits,
-        np.zeros((1, vocab), np.int32), one(0, np.int32), one(max_new_tokens, np.int32), one(thinking, bool),
-        key, jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(sample, bool),
-        one(1, np.int32))
+    return AutoregressiveSlots(model=one_slot(model_state), logits=last_logits, counts=np.zeros((1, vocab), np.int32),
+                               generated=one(0, np.int32), max_new_tokens=one(max_new_tokens, np.int32),
+                               prompt_thinking=one(thinking, bool), key=key,
+                               controls=jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
+                               sample=one(sample, bool), nfe=one(1, np.int32))

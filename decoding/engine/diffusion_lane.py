@@ -123,6 +123,7 @@ def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prom
     facts = SequenceFacts(response_base=one(-tail, np.int32), prompt_length=one(prompt_length, np.int32),
                           max_new_tokens=one(max_new_tokens, np.int32), prompt_thinking=one(thinking, bool),
                           threshold=one(threshold, np.float32), key=key)
-    return DiffusionSlots(
-        one_slot(model_state), progress, facts, jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
-        schedule, one(sample, bool), one(False, bool), one(int(has_prefix), np.int32))
+    return DiffusionSlots(model=one_slot(model_state), progress=progress, facts=facts,
+                          controls=jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
+                          schedule=schedule, sample=one(sample, bool), commit=one(False, bool),
+                          nfe=one(int(has_prefix), np.int32))

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from clover_jax.core.errors import UNSUPPORTED, FieldError
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
 from decoding.engine.requests import (
     EngineEvent,
@@ -49,8 +50,10 @@ from decoding.engine.requests import (
     rows_needed,
 )
 from decoding.engine.slots import chunk_plan, prefill_chunk
-from decoding.generation import model_defaults
+from decoding.generation_config import TOKEN_ID_FIELDS
 from decoding.layouts import token_ids_of
+from decoding.modes import strategy
+from decoding.validation import model_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +136,11 @@ class Engine:
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
         model.check_memory(max_running, max_context, self.defaults.block_size)
         ids = token_ids_of(self.defaults)
-        self.context = ModelContext(
-            model.passes, model.run_params, model.config.vocab_size, ids, frozenset(self.defaults.eos_token_id),
-            model.config.moe_block_coreset_enabled, np.float32(model.config.moe_block_coreset_top_p), max_running)
+        self.context = ModelContext(passes=model.passes, params=model.run_params, vocab=model.config.vocab_size,
+                                    ids=ids, eos=frozenset(self.defaults.eos_token_id),
+                                    coreset=model.config.moe_block_coreset_enabled,
+                                    coreset_top_p=np.float32(model.config.moe_block_coreset_top_p),
+                                    max_slots=max_running)
         self._lock = threading.Condition()
         self._inbox: collections.deque = collections.deque()     # (Tracked) submitted, not yet seen by the loop
         self._cancels: set[int] = set()
@@ -178,10 +183,10 @@ class Engine:
         """Every check `submit` runs, without queueing: ValueError saying what is wrong."""
         prepared = prepare(self.model, dataclasses.replace(
             request, generation_config=request.generation_config or self.defaults), self.max_context)
-        for name in ("eos_token_id", "mask_token_id", "think_start_token_id", "think_end_token_id"):
+        for name in TOKEN_ID_FIELDS:
             if getattr(prepared.config, name) != getattr(self.defaults, name):
-                raise ValueError(f"{name} is the engine's ({getattr(self.defaults, name)!r}) for every request, "
-                                 f"got {getattr(prepared.config, name)!r}")
+                raise FieldError(name, f"{name} is the engine's ({getattr(self.defaults, name)!r}) for every request, "
+                                 f"got {getattr(prepared.config, name)!r}", code=UNSUPPORTED)
         return prepared
 
     def queued(self) -> int:
@@ -275,7 +280,7 @@ class Engine:
             tracked = self._queue.popleft()
             prepared = tracked.prepared
             prefix = prepared.prompt[:prefix_length(prepared.lane, len(prepared.prompt))]
-            unit = prepared.lane.block_size if prepared.mode == "diffusion" else UNIT
+            unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
             padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
             ids = np.zeros((1, padding + len(prefix)), np.int32)
             ids[0, padding:] = prefix
@@ -292,7 +297,7 @@ class Engine:
         return lane
 
     def _capacity(self, key: LaneKey) -> int:
-        return self.max_context + (0 if key.mode == "diffusion" else UNIT)
+        return self.max_context + (0 if strategy(key.mode).whole_blocks else UNIT)
 
     def _prefill(self) -> None:
         budget = self.prefill_budget

@@ -25,6 +25,7 @@ from decoding.controls import TokenIds
 from decoding.engine import autoregressive_lane, diffusion_lane, speculative_lane
 from decoding.engine.requests import LaneKey, PreparedRequest
 from decoding.engine.slots import capacity_bucket, empty_staging, put_slots, stack_entries, take_slots
+from decoding.modes import Mode, strategy
 from decoding.streaming import response_slice
 
 logger = logging.getLogger(__name__)
@@ -229,9 +230,10 @@ class DiffusionLane(Lane):
 class AutoregressiveLane(Lane):
     def _entry(self, prepared, staging, last_logits):
         config = prepared.config
-        return autoregressive_lane.entry(staging, last_logits, config.max_new_tokens, prepared.thinking,
-                                         prepared.key, prepared.controls, config.do_sample,
-                                         self.context.vocab)
+        return autoregressive_lane.entry(model_state=staging, last_logits=last_logits,
+                                         max_new_tokens=config.max_new_tokens, thinking=prepared.thinking,
+                                         key=prepared.key, controls=prepared.controls, sample=config.do_sample,
+                                         vocab=self.context.vocab)
 
     def _first_nfe(self, prepared):
         return 1
@@ -263,8 +265,9 @@ class SpeculativeLane(Lane):
     def step(self) -> list[Outcome]:
         alive = self.alive()
         self.slots, report = speculative_lane.speculative_step(
-            self.context.passes, self.context.params, self.key.block_size, self.context.coreset, self.slots, alive,
-            self.context.coreset_top_p, self.context.ids)
+            passes=self.context.passes, params=self.context.params, block_size=self.key.block_size,
+            coreset=self.context.coreset, slots=self.slots, alive=alive, coreset_top_p=self.context.coreset_top_p,
+            ids=self.context.ids)
         choices, emitted, finished, nfe = jax.device_get(report)
         outcomes = []
         for slot, tracked in enumerate(self.occupants):
@@ -276,16 +279,13 @@ class SpeculativeLane(Lane):
         return outcomes
 
 
-LANES = {"diffusion": DiffusionLane, "autoregressive": AutoregressiveLane, "self_speculative": SpeculativeLane}
+LANES = {Mode.DIFFUSION: DiffusionLane, Mode.AUTOREGRESSIVE: AutoregressiveLane,
+         Mode.SELF_SPECULATIVE: SpeculativeLane}
 
 
 def prefix_length(key: LaneKey, prompt_length: int) -> int:
-    """Prompt tokens a request prefills before it joins its lane: the whole blocks (diffusion; the
-    prompt tail opens the first block), all (autoregressive), all but the pending last token
-    (self-speculative)."""
-    if key.mode == "diffusion":
-        return prompt_length - prompt_length % key.block_size
-    return prompt_length - (key.mode == "self_speculative")
+    """Prompt tokens a request prefills before it joins its lane (`ModeStrategy.prefix_length`)."""
+    return strategy(key.mode).prefix_length(prompt_length, key.block_size)
 
 
 def _power_of_two(count: int) -> int:

@@ -1,8 +1,8 @@
 """What a caller submits to the serving engine, the checks it passes before any compute, and the
 events that come back.
 
-A request is checked as `generate` checks one (`decoding.generation.resolve_config` /
-`check_prompts`: the same messages), then against what the engine serves: named schedules,
+A request is checked as `generate` checks one (`decoding.validation`: the same checks and
+messages), then against what the engine serves: named schedules,
 absolute block alignment, the model's coreset setting, and the engine's context per slot.
 """
 
@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
 from decoding.controls import Controls
 from decoding.engine.diffusion_lane import SCHEDULES
-from decoding.generation import check_prompts, resolve_config
 from decoding.generation_config import GenerationConfig
-from decoding.layouts import MODES, controls_of, prompt_thinking
+from decoding.layouts import controls_of, prompt_thinking
+from decoding.modes import Mode, strategy
 from decoding.schedules import BY_NAME, resolve_params
+from decoding.validation import check_prompts, resolve_config
 
 FINISH_REASONS = ("eos", "length", "cancelled", "error")
 
@@ -33,7 +34,7 @@ class EngineRequest:
     fields; seed: the PRNG seed of a sampled request (`generate(key=jax.random.key(seed))` alone)."""
 
     prompt: Sequence[int]
-    mode: str = "diffusion"
+    mode: str | Mode = Mode.DIFFUSION
     generation_config: GenerationConfig | None = None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
@@ -43,7 +44,7 @@ class EngineRequest:
 class LaneKey:
     """Requests that can share a lane: same mode, and for block decoding the same block size and step cap."""
 
-    mode: str
+    mode: Mode
     block_size: int | None = None
     steps_cap: int | None = None
 
@@ -53,7 +54,7 @@ class PreparedRequest:
     """A request that passed every check, with what the engine needs of it on the host."""
 
     prompt: list[int]
-    mode: str
+    mode: Mode
     config: GenerationConfig
     controls: Controls
     thinking: bool
@@ -97,53 +98,46 @@ class EngineEvent:
 Listener = Callable[[EngineEvent], None]
 
 
-def rows_needed(prompt_length: int, config: GenerationConfig, mode: str) -> int:
-    """Cache rows a request holds in its slot: the last block whole (absolute alignment), or the
-    prompt and response plus one drafted block (self-speculative), or the prompt and response."""
-    if mode == "diffusion":
-        return math.ceil((prompt_length + config.max_new_tokens) / config.block_size) * config.block_size
-    if mode == "self_speculative":
-        return prompt_length + config.max_new_tokens + config.block_size
-    return prompt_length + config.max_new_tokens
+def rows_needed(prompt_length: int, config: GenerationConfig, mode: str | Mode) -> int:
+    """Cache rows a request holds in its slot (`ModeStrategy.rows_needed`)."""
+    return strategy(mode).rows_needed(prompt_length, config.max_new_tokens, config.block_size)[0]
 
 
 def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
-    """Check a request before anything is compiled; raises ValueError saying what is wrong."""
-    if request.mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {request.mode!r}")
+    """Check a request before anything is compiled; raises FieldError (a ValueError) saying what is wrong."""
+    decoder = strategy(request.mode)
     config = resolve_config(model, request.generation_config, dict(request.overrides))
     if not isinstance(config.schedule, str):
-        raise ValueError(f"the serving engine runs the named schedules ({sorted(BY_NAME)}), not schedule functions")
+        raise FieldError("schedule", f"the serving engine runs the named schedules ({sorted(BY_NAME)}), not "
+                                     "schedule functions", code=UNSUPPORTED)
     if config.block_alignment != "absolute":
-        raise ValueError("the serving engine aligns blocks to absolute positions (block_alignment='absolute')")
+        raise FieldError("block_alignment", "the serving engine aligns blocks to absolute positions "
+                                            "(block_alignment='absolute')", code=UNSUPPORTED)
     if config.coreset is not None and bool(config.coreset) != model.config.moe_block_coreset_enabled or \
             config.coreset_top_p is not None and config.coreset_top_p != model.config.moe_block_coreset_top_p:
-        raise ValueError("the serving engine uses the model's coreset setting (moe_block_coreset_enabled, "
-                         "moe_block_coreset_top_p); coreset and coreset_top_p cannot be set per request")
-    if config.do_sample and request.mode == "self_speculative":
-        raise ValueError("self-speculative decoding is greedy: do_sample=True is not supported in this mode "
-                         "(sample with mode='autoregressive' or 'diffusion')")
+        raise FieldError("coreset", "the serving engine uses the model's coreset setting (moe_block_coreset_enabled, "
+                                    "moe_block_coreset_top_p); coreset and coreset_top_p cannot be set per request",
+                         code=UNSUPPORTED)
+    decoder.check_sampling(config.do_sample)
     if isinstance(request.seed, bool) or not isinstance(request.seed, (int, np.integer)) or \
             not 0 <= request.seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {request.seed!r}")
+        raise FieldError("seed", f"seed must be an integer in [0, 2**63), got {request.seed!r}")
     resolve_params(config.schedule, config.schedule_params, config)  # names, types and ranges
-    prompt = check_prompts(model, [request.prompt], config, request.mode)[0]
-    needed = rows_needed(len(prompt), config, request.mode)
+    prompt = check_prompts(model, [request.prompt], config, decoder.mode)[0]
+    needed, rule = decoder.rows_needed(len(prompt), config.max_new_tokens, config.block_size)
     if needed > max_context:
-        rule = {"diffusion": "ceil((P + N) / B) * B", "self_speculative": "P + N + B"}.get(request.mode, "P + N")
-        raise ValueError(f"{rule} = {needed} positions (P={len(prompt)}, N={config.max_new_tokens}"
-                         + (f", B={config.block_size}" if request.mode != "autoregressive" else "")
-                         + f") exceeds the engine's context of {max_context} per request")
-    if request.mode == "autoregressive":
-        lane = LaneKey("autoregressive")
-    else:
-        lane = LaneKey(request.mode, config.block_size, config.steps_cap if request.mode == "diffusion" else None)
+        raise FieldError("max_new_tokens", f"{rule} = {needed} positions (P={len(prompt)}, N={config.max_new_tokens}"
+                         + (f", B={config.block_size}" if decoder.decodes_blocks else "")
+                         + f") exceeds the engine's context of {max_context} per request", code=CONTEXT_LENGTH)
+    lane = LaneKey(decoder.mode, config.block_size if decoder.decodes_blocks else None,
+                   config.steps_cap if decoder.whole_blocks else None)
     schedule = None
-    if request.mode == "diffusion":
+    if decoder.whole_blocks:
         schedule = jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
                                           SCHEDULES.params(config.schedule, config.schedule_params, config))
-    return PreparedRequest(prompt, request.mode, config, controls_of(config), prompt_thinking(prompt, config),
-                           int(request.seed), lane, sequence_key_row(int(request.seed)), schedule)
+    return PreparedRequest(prompt=prompt, mode=decoder.mode, config=config, controls=controls_of(config),
+                           thinking=prompt_thinking(prompt, config), seed=int(request.seed), lane=lane,
+                           key=sequence_key_row(int(request.seed)), schedule=schedule)
 
 
 @functools.lru_cache(maxsize=256)

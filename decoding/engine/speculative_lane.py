@@ -44,9 +44,10 @@ def speculative_step(passes: ModelPasses, params: Any, block_size: int, coreset:
                      alive: jax.Array, coreset_top_p: jax.Array,
                      ids: TokenIds) -> tuple[SpeculativeSlots, SpeculativeReport]:
     """One round for every live slot (alive: bool [S]); two forwards."""
-    out = speculative_round(passes, params, block_size, coreset, coreset_top_p, slots.controls, ids,
-                            slots.prompt_thinking, max_new_tokens=slots.max_new_tokens, model=slots.model,
-                            pending=slots.pending, counts=slots.counts, lengths=slots.lengths, active=alive)
+    out = speculative_round(passes=passes, params=params, size=block_size, coreset=coreset, coreset_top_p=coreset_top_p,
+                            controls=slots.controls, ids=ids, prompt_thinking=slots.prompt_thinking,
+                            max_new_tokens=slots.max_new_tokens, model=slots.model, pending=slots.pending,
+                            counts=slots.counts, lengths=slots.lengths, active=alive)
     nfe = slots.nfe + 2 * alive
     slots = slots._replace(model=out.model, pending=out.pending, counts=out.counts, lengths=out.lengths, nfe=nfe)
     return slots, SpeculativeReport(out.choices, out.emitted, out.finished, nfe)
@@ -56,7 +57,8 @@ def entry(model_state: ModelState, pending: int, max_new_tokens: int, thinking: 
           has_prefill: bool, vocab: int) -> SpeculativeSlots:
     """One slot's state for a request whose prompt but its last token (`pending`) `model_state` holds."""
     one = lambda value, dtype: np.asarray([value], dtype)
-    return SpeculativeSlots(
-        one_slot(model_state), one(pending, np.int32),
-        np.zeros((1, vocab), np.int32), one(0, np.int32), one(max_new_tokens, np.int32), one(thinking, bool),
-        jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls), one(int(has_prefill), np.int32))
+    return SpeculativeSlots(model=one_slot(model_state), pending=one(pending, np.int32),
+                            counts=np.zeros((1, vocab), np.int32), lengths=one(0, np.int32),
+                            max_new_tokens=one(max_new_tokens, np.int32), prompt_thinking=one(thinking, bool),
+                            controls=jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
+                            nfe=one(int(has_prefill), np.int32))

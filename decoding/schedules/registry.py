@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from clover_jax.core.errors import MISSING_FIELD, UNKNOWN_FIELD, FieldError
 from decoding.schedules.confidence import fast_dllm_factor, fast_dllm_threshold, fixed_k, low_confidence, margin
 from decoding.schedules.dream import ALGORITHMS, dream
 from decoding.schedules.entropy import eb_sampler, entropy_bounded
@@ -98,10 +99,10 @@ def resolve(schedule: "str | Callable") -> Callable:
     """A schedule name or function -> the rule function."""
     if isinstance(schedule, str):
         if schedule not in BY_NAME:
-            raise ValueError(f"unknown schedule {schedule!r}; named schedules: {sorted(BY_NAME)}")
+            raise FieldError("schedule", f"unknown schedule {schedule!r}; named schedules: {sorted(BY_NAME)}")
         return BY_NAME[schedule].rule
     if not callable(schedule):
-        raise ValueError(f"schedule must be a name in {sorted(BY_NAME)} or a function, got {schedule!r}")
+        raise FieldError("schedule", f"schedule must be a name in {sorted(BY_NAME)} or a function, got {schedule!r}")
     return schedule
 
 
@@ -112,21 +113,23 @@ def resolve_params(schedule: "str | Callable", params: Mapping[str, Any] | None,
     `params` as given (any pytree of numbers, converted to arrays; an empty dict when None).
 
     Returns a pytree of NumPy scalars/arrays (never Python numbers, so the jitted loop traces them).
-    Raises ValueError naming the schedule and the parameter.
+    Raises FieldError (field "schedule" or "schedule_params"; the message names the schedule and the parameter).
     """
     if not isinstance(schedule, str):
         leaves = jax.tree_util.tree_leaves(params or {})
         bad = [leaf for leaf in leaves if not isinstance(leaf, (numbers.Number, np.ndarray, np.generic, jax.Array))]
         if bad:
-            raise ValueError(f"schedule_params of a schedule function must be numbers or arrays, got {bad[0]!r}")
+            raise FieldError("schedule_params",
+                             f"schedule_params of a schedule function must be numbers or arrays, got {bad[0]!r}")
         return jax.tree_util.tree_map(np.asarray, dict(params or {}))
     named = BY_NAME.get(schedule)
     if named is None:
-        raise ValueError(f"unknown schedule {schedule!r}; named schedules: {sorted(BY_NAME)}")
+        raise FieldError("schedule", f"unknown schedule {schedule!r}; named schedules: {sorted(BY_NAME)}")
     given = dict(params or {})
     unknown = sorted(set(given) - set(named.defaults))
     if unknown:
-        raise ValueError(f"schedule {schedule!r} has no parameter {unknown}; its parameters: {sorted(named.defaults)}")
+        raise FieldError("schedule_params", f"schedule {schedule!r} has no parameter {unknown}; its parameters: "
+                         f"{sorted(named.defaults)}", code=UNKNOWN_FIELD)
     return {name: _checked(named, name, _value(named, name, given, config)) for name in named.defaults}
 
 
@@ -136,8 +139,9 @@ def _value(named: NamedSchedule, name: str, given: Mapping[str, Any], config: An
     if value is FROM_CONFIG or isinstance(value, FromConfig):
         field = name if value is FROM_CONFIG else value.field
         if config is None:
-            raise ValueError(f"schedule {named.name!r}: the default of {name} is the generation config's {field}; "
-                             f"pass a GenerationConfig or schedule_params={{{name!r}: ...}}")
+            raise FieldError("schedule_params", f"schedule {named.name!r}: the default of {name} is the generation "
+                                                f"config's {field}; pass a GenerationConfig or "
+                                                f"schedule_params={{{name!r}: ...}}", code=MISSING_FIELD)
         value = getattr(config, field)
     return value
 
@@ -147,17 +151,17 @@ def _checked(named: NamedSchedule, name: str, value: Any) -> np.ndarray:
     where = f"schedule {named.name!r}: {name}"
     if name in named.choices:
         if not isinstance(value, str) or value not in named.choices[name]:
-            raise ValueError(f"{where} must be one of {list(named.choices[name])}, got {value!r}")
+            raise FieldError("schedule_params", f"{where} must be one of {list(named.choices[name])}, got {value!r}")
         return np.int32(named.choices[name].index(value))
     if name in named.integers:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
+            raise FieldError("schedule_params", f"{where} must be an integer, got {value!r}")
         resolved = np.int32(value)
     else:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"{where} must be a finite number, got {value!r}")
+            raise FieldError("schedule_params", f"{where} must be a finite number, got {value!r}")
         resolved = np.float32(value)
     allowed = named.ranges.get(name)
     if allowed is not None and value not in allowed:
-        raise ValueError(f"{where} must be {allowed}, got {value!r}")
+        raise FieldError("schedule_params", f"{where} must be {allowed}, got {value!r}")
     return resolved

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from clover_jax.api.cli import BUNDLED_MODEL
+from clover_jax.api.research_tasks import sort_task
 from decoding import generate, research
 from decoding.research import SweepRecord, aup
 
@@ -168,7 +169,7 @@ def tokenizer():
 def test_sort_task_prompts_are_the_chat_formatted_problems_and_it_scores_the_reference_response(tokenizer):
     from clover_jax.training.task import SortDigits
 
-    task = research.sort_task(tokenizer, count=5, min_digits=9, max_digits=12)
+    task = sort_task(tokenizer, count=5, min_digits=9, max_digits=12)
     problems = SortDigits(9, 12).held_out(5)
     assert task.name == "sort9-12" and len(task.prompts) == 5
     for index, problem in enumerate(problems):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from clover_jax.api import train_command
+from clover_jax.api.cli import train as train_command
 from clover_jax.core.errors import FieldError
 from clover_jax.training import FinetuneConfig
 

@@ -16,8 +16,8 @@ import math
 from typing import Any, Callable
 
 from clover_jax.api.serving.errors import bad_request
+from decoding.modes import MODES
 
-MODES = ("diffusion", "autoregressive", "self_speculative")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
@@ -169,18 +169,14 @@ def read_sampling(fields: Fields, max_tokens_names: tuple[str, ...]) -> Sampling
                           f"got {n}", "n", "unsupported_parameter")
     sampling.stop = read_stop(fields)
     sampling.temperature = fields.get("temperature", number(0.0, 2.0))
-    sampling.top_p = fields.get("top_p", number(0.0, 1.0, low_open=True))
+    sampling.top_p = fields.get("top_p", number())  # its range, and the others' below: GenerationConfig's
     sampling.top_k = fields.get("top_k", integer(-1))
     seed = fields.get("seed", integer(-2**63, 2**63 - 1))
     sampling.seed = None if seed is None else seed % 2**63
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = fields.get(name, number(-2.0, 2.0))
-        if value is not None and value < 0:
-            raise bad_request(f"{name} must be >= 0 for Clover's decoding controls (docs/design.md §4), got {value}",
-                              name)
-        setattr(sampling, name, value)
-    sampling.repetition_penalty = fields.get("repetition_penalty", number(0.0, low_open=True))
-    sampling.threshold = fields.get("threshold", number(0.0, 1.0, low_open=True))
+    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range; Clover's controls need >= 0
+        setattr(sampling, name, fields.get(name, number(-2.0, 2.0)))
+    sampling.repetition_penalty = fields.get("repetition_penalty", number())
+    sampling.threshold = fields.get("threshold", number())
     sampling.block_size = fields.get("block_size", integer(1))
     sampling.schedule = fields.get("schedule", text)
     sampling.schedule_params = fields.get("schedule_params", _object)

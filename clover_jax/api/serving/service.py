@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import secrets
 from typing import Any, AsyncIterator
 
 from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.protocol import ChatRequest, CompletionRequest, Sampling
+from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
 from decoding.engine import Engine, EngineEvent, EngineRequest, QueueFull
 from decoding.layouts import prompt_thinking
+from decoding.modes import strategy
 
-# GenerationConfig fields named in the engine's messages -> the request field a client sent
+# The one table from the fields a FieldError names (GenerationConfig fields, `generate`'s and the
+# engine's arguments) to the request parameter a client sent; PROMPT: the messages or the prompt,
+# as the request spelled it. A field not here is reported without a parameter.
+PROMPT = object()
 _PARAMS = {"max_new_tokens": "max_tokens", "do_sample": "temperature", "temperature": "temperature",
            "top_p": "top_p", "top_k": "top_k", "threshold": "threshold", "block_size": "block_size",
            "schedule": "schedule", "schedule_params": "schedule_params", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed",
-           "mode": "mode"}
+           "mode": "mode", "prompts": PROMPT}
+# FieldError codes that are OpenAI error codes too; the others are sent without a code.
+_CODES = {CONTEXT_LENGTH: "context_length_exceeded"}
 
 
 @dataclasses.dataclass
@@ -76,17 +82,17 @@ class Service:
 
     def _prepared(self, prompt: list[int], sampling: Sampling, where: str) -> Prepared:
         overrides = self._overrides(sampling)
-        mode = sampling.mode
+        decoder = strategy(sampling.mode)  # the protocol accepted only mode names
         config = self.engine.defaults.replace(**{k: v for k, v in overrides.items() if k != "max_new_tokens"})
         if sampling.max_tokens is None:
-            overrides["max_new_tokens"] = self._default_max_tokens(len(prompt), config, mode)
+            overrides["max_new_tokens"] = self._default_max_tokens(len(prompt), config, decoder)
         seed = sampling.seed if sampling.seed is not None else (secrets.randbits(63) if config.do_sample else 0)
-        request = EngineRequest(prompt, mode, overrides=overrides, seed=seed)
+        request = EngineRequest(prompt, decoder.mode, overrides=overrides, seed=seed)
         try:
             self.engine.check(request)
         except ValueError as error:
-            raise _refusal(str(error), where) from None
-        return Prepared(prompt, request, None if mode == "autoregressive" else config.block_size)
+            raise _refusal(error, where) from None
+        return Prepared(prompt, request, config.block_size if decoder.decodes_blocks else None)
 
     def _overrides(self, sampling: Sampling) -> dict[str, Any]:
         overrides: dict[str, Any] = {}
@@ -110,18 +116,13 @@ class Service:
         try:
             self.engine.defaults.replace(**overrides)
         except ValueError as error:
-            raise _refusal(str(error), "") from None
+            raise _refusal(error, "") from None
         return overrides
 
-    def _default_max_tokens(self, prompt_length: int, config, mode: str) -> int:
+    def _default_max_tokens(self, prompt_length: int, config, decoder) -> int:
         """max_tokens left out: the checkpoint's max_new_tokens, or all the context left, whichever
-        is less (the context left counts whole blocks for diffusion, and a draft for self-speculative)."""
-        if mode == "diffusion":
-            room = self.context // config.block_size * config.block_size - prompt_length
-        elif mode == "self_speculative":
-            room = self.context - prompt_length - config.block_size
-        else:
-            room = self.context - prompt_length
+        is less (`ModeStrategy.room`: whole blocks for diffusion, a draft for self-speculative)."""
+        room = decoder.room(self.context, prompt_length, config.block_size)
         if room < 1:
             raise bad_request(f"the prompt has {prompt_length} tokens: no room is left in the context of "
                               f"{self.context} for a response", "messages", "context_length_exceeded")
@@ -134,7 +135,7 @@ class Service:
         except QueueFull as error:
             raise ApiError(503, f"the server is at capacity ({error}); retry later", None, "server_busy") from None
         except ValueError as error:
-            raise _refusal(str(error), "") from None
+            raise _refusal(error, "") from None
 
 
 class Submission:
@@ -162,15 +163,13 @@ class Submission:
             self.handle.cancel()
 
 
-def _refusal(message: str, where: str) -> ApiError:
-    """The engine's or the generation config's ValueError as a 400 naming the field."""
-    first = re.match(r"(?:schedule '\w+': )?(\w+)", message)
-    param = _PARAMS.get(first.group(1)) if first else None
-    code = None
-    if "exceeds the engine's context" in message or "exceeds the model's context" in message:
-        param, code = where or "messages", "context_length_exceeded"
-    elif message.startswith("prompt ") or "mask token" in message:
+def _refusal(error: ValueError, where: str) -> ApiError:
+    """The engine's or the generation config's ValueError as a 400 naming the request parameter
+    (`_PARAMS`, from the error's field; `where`: "messages" or "prompt"). A combination of values
+    (code UNSUPPORTED) names no single parameter."""
+    field = getattr(error, "field", None) if isinstance(error, FieldError) else None
+    code = getattr(error, "code", None)
+    param = None if code == UNSUPPORTED else _PARAMS.get(field)
+    if param is PROMPT or code == CONTEXT_LENGTH:
         param = where or "messages"
-    elif message.startswith("schedule '"):
-        param = "schedule_params"
-    return bad_request(message, param, code)
+    return bad_request(str(error), param, _CODES.get(code))

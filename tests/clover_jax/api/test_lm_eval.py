@@ -30,7 +30,7 @@ def harness(tmp_path_factory):
 
 def _harness(tmp_path_factory):
     lm_eval = pytest.importorskip("lm_eval")
-    import decoding.lm_eval_model  # noqa: F401  (registers "clover-jax")
+    import clover_jax.api.lm_eval_model  # noqa: F401  (registers "clover-jax")
     from clover_jax.training.task import SortDigits
 
     root = tmp_path_factory.mktemp("lm_eval_tasks")
@@ -85,7 +85,7 @@ def test_simple_evaluate_answers_generate_until_with_generate(harness):
 
 def test_loglikelihood_requests_are_refused_with_the_reason(harness):
     lm_eval, tasks, _, _ = harness
-    from decoding.lm_eval_model import CloverLM
+    from clover_jax.api.lm_eval_model import CloverLM
 
     model = CloverLM(pretrained=str(BUNDLED_MODEL))
     with pytest.raises(NotImplementedError, match="no exact log-likelihood"):
@@ -95,7 +95,7 @@ def test_loglikelihood_requests_are_refused_with_the_reason(harness):
 
 
 def test_unknown_model_args_are_refused_before_the_checkpoint_is_read(harness):
-    from decoding.lm_eval_model import CloverLM
+    from clover_jax.api.lm_eval_model import CloverLM
 
     with pytest.raises(ValueError, match=r"model_args \['bogus'\] are unknown"):
         CloverLM.create_from_arg_string("pretrained=/nonexistent,bogus=1")
@@ -111,7 +111,7 @@ def test_the_readme_snippet_evaluates_by_model_name_in_a_fresh_interpreter(harne
 
     _, _, rows, root = harness
     code = python_block_after("in Python the import comes first")
-    assert "import decoding.lm_eval_model" in code and 'model="clover-jax"' in code
+    assert "import clover_jax.api.lm_eval_model" in code and 'model="clover-jax"' in code
     local = (f'tasks=["clover_sort"], task_manager=__import__("lm_eval.tasks").tasks.TaskManager('
              f'include_path={str(root)!r}, include_defaults=False)')
     code, replaced = re.subn(r'tasks=\["gsm8k"\]', local, code)

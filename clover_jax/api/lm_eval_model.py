@@ -1,6 +1,6 @@
 """clover-jax as an `lm-eval` model (`--model clover-jax`), answering `generate_until` with `generate`.
 
-    import decoding.lm_eval_model  # registers "clover-jax" with lm-eval
+    import clover_jax.api.lm_eval_model  # registers "clover-jax" with lm-eval
     lm_eval.simple_evaluate(model="clover-jax",
                             model_args="pretrained=PATH,block_size=32,threshold=0.9,schedule=dream,schedule.alg=entropy",
                             tasks=["gsm8k"], apply_chat_template=True)

@@ -1,0 +1,42 @@
+"""`clover-jax serve`: load, warm up, serve until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from clover_jax.api.cli.common import BUNDLED_MODEL, UsageError, is_hub_snapshot, resolve_model_dir
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`clover-jax serve`: load, warm up, serve until interrupted."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--max-running", args.max_running), ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    sizes = None
+    if args.block_sizes is not None:
+        try:
+            sizes = tuple(int(size) for size in args.block_sizes.split(","))
+        except ValueError:
+            raise UsageError(f"--block-sizes must be integers separated by commas, got {args.block_sizes!r}") from None
+        if not sizes or min(sizes) < 1:
+            raise UsageError(f"--block-sizes must be integers >= 1, got {args.block_sizes!r}")
+    path = resolve_model_dir(args.model, args.revision)
+    name = args.served_model_name or args.model or BUNDLED_MODEL.name
+    print(f"clover-jax serve: loading {name} ...", file=sys.stderr)
+    from clover_jax.api.serving.server import build_service, serve, warm_up
+
+    model = args.model if is_hub_snapshot(args.model) else path
+    service = build_service(str(model), name=name, max_running=args.max_running, max_queue=args.max_queue,
+                            max_context=args.max_context, block_sizes=sizes, dtype=args.dtype,
+                            revision=args.revision if is_hub_snapshot(args.model) else None)
+    if not args.no_warmup:
+        print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
+    print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
+          f"running, {args.max_queue} queued){'; API key required' if args.api_key else ''}", file=sys.stderr)
+    serve(service, args.host, args.port, args.api_key, args.max_body_bytes)
+    return 0
