@@ -97,6 +97,23 @@ def test_the_adapter_directory_loads_onto_its_base_as_the_merged_model(small_clo
     from decoding import GenerationConfig
 
     assert GenerationConfig.from_pretrained(loaded.path).mask_token_id == MASK_ID  # what generate reads
+    # `clover-jax serve --adapter` loads through the same call, with the adapter's tokenizer (the base
+    # here is given the bundled one, whose vocabulary has the same size)
+    import shutil
+
+    import clover_jax
+    from clover_jax.api.serving.server import build_service
+
+    base = shutil.copytree(small_clover_checkpoint, tmp_path / "base")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(clover_jax.bundled_model_path(), name), base / name)
+    adapter_io.save_adapter(str(tmp_path / "served"), jax.device_get(trainable), spec, base_config=small_clover.config,
+                            target=target, tokenizer_source=str(base))
+    service = build_service(str(base), adapter=str(tmp_path / "served"))
+    try:
+        np.testing.assert_array_equal(np.asarray(service.model.forward(ids)), np.asarray(merged.forward(ids)))
+    finally:
+        service.engine.close()
 
 
 def test_an_adapter_is_refused_on_another_base_or_with_files_missing(small_clover, clover_adapter, qwen_base,

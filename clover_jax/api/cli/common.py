@@ -42,6 +42,19 @@ def resolve_model_dir(model: str | None, revision: str | None = None, quiet: boo
     return path
 
 
+def check_model_format(args) -> None:
+    """--quantize and --adapter, checked before anything loads: a known format, an adapter directory."""
+    from clover_jax.core.quantization import QuantSpec
+
+    if args.quantize is not None:
+        try:
+            QuantSpec.parse(args.quantize)
+        except ValueError as error:
+            raise UsageError(f"--quantize: {error}") from None
+    if args.adapter is not None and not Path(args.adapter).expanduser().is_dir():
+        raise UsageError(f"--adapter {args.adapter!r} is not a directory (a LoRA run's adapter directory)")
+
+
 def is_hub_snapshot(model: str | None) -> bool:
     """Whether --model named a Hub id (a local directory of that name wins, as in `resolve_checkpoint`)."""
     return model is not None and not Path(model).expanduser().is_dir()

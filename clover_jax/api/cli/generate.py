@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clover_jax.api.cli.common import CliError, UsageError, config_record, is_hub_snapshot, resolve_model_dir, short
+from clover_jax.api.cli.common import (
+    CliError,
+    UsageError,
+    check_model_format,
+    config_record,
+    is_hub_snapshot,
+    resolve_model_dir,
+    short,
+)
 from clover_jax.api.cli.flags import FALLBACK_MAX_NEW_TOKENS, explain, flag_name, generation_overrides
 from clover_jax.api.cli.render import Status, StreamPrinter, render_rounds, render_steps, summary
 from decoding.modes import strategy
@@ -29,10 +37,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from clover_jax.api.tokenization import Tokenizer
     from clover_jax.core.config import CloverConfig
 
-    config = CloverConfig.from_pretrained(path)
-    tokenizer = Tokenizer.from_pretrained(path)
+    check_model_format(args)
+    # With an adapter, the trained model's config, tokenizer and generation config are the adapter's
+    described = Path(args.adapter) if args.adapter else path
+    config = CloverConfig.from_pretrained(described)
+    tokenizer = Tokenizer.from_pretrained(described)
     prompt_ids = encode_prompt(tokenizer, prompt, args, system)
-    generation = resolve_generation_config(path, config, overrides)
+    generation = resolve_generation_config(described, config, overrides)
     context = config.max_position_embeddings
     needed, rule = decoder.positions_needed(len(prompt_ids), generation.max_new_tokens, generation.block_size,
                                             generation.block_alignment)
@@ -48,11 +59,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from clover_jax import CloverModel
     from decoding import generate
 
+    formats = dict(dtype=args.dtype, progress=not status.quiet, quantize=args.quantize, adapter=args.adapter)
     if is_hub_snapshot(args.model):  # the weights of the commit the config and tokenizer came from
-        model = CloverModel.from_pretrained(args.model, revision=path.name, dtype=args.dtype,
-                                            progress=not status.quiet)
+        model = CloverModel.from_pretrained(args.model, revision=path.name, **formats)
     else:
-        model = CloverModel.from_pretrained(path, dtype=args.dtype, progress=not status.quiet)
+        model = CloverModel.from_pretrained(path, **formats)
     load_seconds = time.perf_counter() - started
     status.say(f"loaded in {load_seconds:.1f} s on {jax.devices()[0].platform}; decoding "
                f"({args.mode}, {len(prompt_ids)} prompt tokens; the first call compiles) ...")

@@ -22,6 +22,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def add_model_format_flags(command: argparse.ArgumentParser) -> None:
+    """--quantize and --adapter: how the weights are held, for `generate` and `serve`."""
+    command.add_argument("--quantize", default=None, metavar="FORMAT",
+                         help="weight-only quantisation while loading: int8, int4, int4-g<group>, with +dense to "
+                              "quantise the dense weights too (docs/quantization.md; default: none)")
+    command.add_argument("--adapter", default=None, metavar="DIR",
+                         help="a LoRA adapter directory written by a LoRA or QLoRA run of `clover-jax train`, "
+                              "merged into --model (its base) while loading (docs/training.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="clover-jax", description="Clover block-diffusion language model (JAX) from the "
                                                     "command line.")
@@ -53,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int_arg, default=0, help="PRNG seed for --do-sample (default 0)")
     gen.add_argument("--dtype", choices=DTYPES, default=None,
                      help="parameter and activation dtype (default: the checkpoint's)")
+    add_model_format_flags(gen)
     gen.add_argument("--show-steps", action="store_true",
                      help=f"show each block being denoised step by step ({MASK_GLYPH} = still masked); with "
                           f"--mode self_speculative, each round's draft: accepted tokens, [the causal pass's own "
@@ -107,8 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's name in the API (default: --model as given)")
     serve.add_argument("--dtype", choices=DTYPES, default=None,
                        help="parameter and activation dtype (default: the checkpoint's)")
+    add_model_format_flags(serve)
     serve.add_argument("--max-body-bytes", type=int_arg, default=8 << 20, metavar="BYTES",
                        help="largest request body accepted (default 8 MiB)")
+    serve.add_argument("--body-timeout", type=float_arg, default=30.0, metavar="SECONDS",
+                       help="a request body not complete this long after it starts is answered 408 (default 30)")
+    serve.add_argument("--max-connections", type=int_arg, default=1024, metavar="N",
+                       help="open connections served at once, the arriving one counted; 503 beyond (default 1024)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
     serve.set_defaults(run=run_serve)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from clover_jax.api.cli.common import BUNDLED_MODEL, UsageError, is_hub_snapshot, resolve_model_dir
+from clover_jax.api.cli.common import BUNDLED_MODEL, UsageError, check_model_format, is_hub_snapshot, resolve_model_dir
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """`clover-jax serve`: load, warm up, serve until interrupted."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value in (("--max-running", args.max_running), ("--max-body-bytes", args.max_body_bytes)):
+    check_model_format(args)
+    if not args.body_timeout > 0:
+        raise UsageError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    for flag, value in (("--max-running", args.max_running), ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-connections", args.max_connections)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.max_queue < 0:
@@ -33,10 +37,12 @@ def run_serve(args: argparse.Namespace) -> int:
     model = args.model if is_hub_snapshot(args.model) else path
     service = build_service(str(model), name=name, max_running=args.max_running, max_queue=args.max_queue,
                             max_context=args.max_context, block_sizes=sizes, dtype=args.dtype,
-                            revision=args.revision if is_hub_snapshot(args.model) else None)
+                            revision=args.revision if is_hub_snapshot(args.model) else None,
+                            quantize=args.quantize, adapter=args.adapter)
     if not args.no_warmup:
         print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
     print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
           f"running, {args.max_queue} queued){'; API key required' if args.api_key else ''}", file=sys.stderr)
-    serve(service, args.host, args.port, args.api_key, args.max_body_bytes)
+    serve(service, args.host, args.port, args.api_key, args.max_body_bytes, body_timeout=args.body_timeout,
+          max_connections=args.max_connections)
     return 0

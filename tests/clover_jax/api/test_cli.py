@@ -123,9 +123,13 @@ def test_generate_autoregressive_without_thinking(checkpoint):
     (["generate", "--eos-token-id", "100000", "-n", "4", "hi"], 2, "--eos-token-id: eos_token_id [100000] is outside"),
     (["generate", "-n", "4", "word " * 600], 1, "exceed the model's context of 512 tokens"),
     (["generate", "--top-k", "100000", "-n", "4", "hi"], 2, "--top-k: top_k 100000 is larger than the vocabulary"),
+    (["generate", "--quantize", "int9", "hi"], 2, "--quantize: quantize='int9': expected 'int8' or 'int4'"),
+    (["generate", "--adapter", "/no/such/adapter", "hi"], 2, "--adapter '/no/such/adapter' is not a directory"),
+    (["serve", "--quantize", "int4-gx"], 2, "--quantize: quantize='int4-gx'"),
+    (["serve", "--body-timeout", "0"], 2, "--body-timeout must be > 0 seconds"),
 ])
 def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, message):
-    if "--model" not in args and "--revision" not in args:
+    if "--model" not in args and "--revision" not in args and args[0] == "generate":
         args = [args[0], "--model", checkpoint] + args[1:]
     result = run_cli(*args)
     assert result.returncode == status
