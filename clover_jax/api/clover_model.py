@@ -24,7 +24,8 @@ from clover_jax.core.kernels import choose_kernels
 from clover_jax.core.passes import DEFAULT_CHUNK, ModelPasses, Params, PassOutput
 from clover_jax.core.quantization import QuantSpec
 from clover_jax.core.state import ModelState, empty_state
-from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for, stack_groups, unstack_groups
+from clover_jax.nn.model import CloverTransformer, TransformerPasses, layer_loop_for
+from clover_jax.nn.run_layout import stack_groups, unstack_groups
 from clover_jax.parallel import memory
 from clover_jax.parallel.sharding import MeshSharding, ShardingRules
 

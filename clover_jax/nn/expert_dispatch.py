@@ -25,7 +25,7 @@ the expert count. The tile height adapts to the pass: one row in decoding, up to
 long prefills.
 
 The experts may also come one buffer per expert (a tuple, the CPU run layout of
-`clover_jax.nn.model.unstack_groups`): a single row then reads each chosen expert in place
+`clover_jax.nn.run_layout.unstack_groups`): a single row then reads each chosen expert in place
 through a `switch` over the experts, where indexing a stack would copy it first (measured,
 medium model's experts, 8 layers x 8 experts of 3 MB, one row: 6.4 ms against 10.8 ms).
 """

@@ -34,7 +34,7 @@ def test_cpu_runs_each_expert_from_its_own_buffer_sharing_the_stack(clover):
     single row reads its experts in place), views of the stacked buffer rather than copies;
     `params` restacks them. Experts under `PER_EXPERT_MIN_BYTES` (this model's) stay stacked."""
     from clover_jax.nn.expert_dispatch import per_expert
-    from clover_jax.nn.model import PER_EXPERT_MIN_BYTES, stack_groups, unstack_groups
+    from clover_jax.nn.run_layout import PER_EXPERT_MIN_BYTES, stack_groups, unstack_groups
 
     config = clover.config
     mlp = clover.run_params["groups"][0]["layer_0"]["mlp"]
