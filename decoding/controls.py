@@ -13,18 +13,19 @@ import jax.numpy as jnp
 
 
 class Controls(NamedTuple):
-    """The numeric controls `process` and `choose` read, traced (changing them does not recompile).
-    The threshold τ is not one of them: it is the schedule's (its parameters, and `StepView.threshold`)."""
+    """The numeric controls `process` and `choose` read, traced (changing them does not recompile),
+    each named as its `GenerationConfig` field. The threshold τ is not one of them: it is the
+    schedule's (its parameters, and `StepView.threshold`)."""
 
     repetition_penalty: jax.Array
     frequency_penalty: jax.Array
     presence_penalty: jax.Array
-    length_penalty: jax.Array
-    length_start: jax.Array
-    length_window: jax.Array
-    think_end_bias: jax.Array
-    think_end_start: jax.Array
-    think_end_window: jax.Array
+    dllm_length_penalty: jax.Array
+    dllm_length_penalty_start: jax.Array
+    dllm_length_penalty_window: jax.Array
+    dllm_think_end_bias: jax.Array
+    dllm_think_end_start: jax.Array
+    dllm_think_end_window: jax.Array
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
@@ -84,10 +85,12 @@ def process(logits: jax.Array, counts: jax.Array, response_index: jax.Array, thi
     logits = jnp.where(seen, penalised, logits)
     logits = logits - controls.frequency_penalty * counts[None, :] - controls.presence_penalty * seen
     vocab = jnp.arange(logits.shape[-1])
-    length_bias = controls.length_penalty * ramp(response_index, controls.length_start, controls.length_window)
+    length_bias = controls.dllm_length_penalty * ramp(response_index, controls.dllm_length_penalty_start,
+                                                      controls.dllm_length_penalty_window)
     is_eos = jnp.any(vocab[:, None] == ids.eos[None, :], axis=-1)  # -1 entries never match
     logits = logits + jnp.where(is_eos[None, :], length_bias[:, None], 0.0)
-    think_bias = controls.think_end_bias * ramp(response_index, controls.think_end_start, controls.think_end_window)
+    think_bias = controls.dllm_think_end_bias * ramp(response_index, controls.dllm_think_end_start,
+                                                     controls.dllm_think_end_window)
     think_bias = jnp.where(thinking_open, think_bias, 0.0)
     logits = logits + jnp.where((vocab == ids.think_end)[None, :], think_bias[:, None], 0.0)
     return jnp.where((vocab == ids.mask)[None, :], -jnp.inf, logits)

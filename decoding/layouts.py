@@ -46,16 +46,10 @@ def bucket(count: int, step: int) -> int:
 
 
 def controls_of(config: GenerationConfig) -> Controls:
-    """The traced numeric controls of a generation config."""
-    # NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each.
-    f = np.float32
-    return Controls(
-        repetition_penalty=f(config.repetition_penalty), frequency_penalty=f(config.frequency_penalty),
-        presence_penalty=f(config.presence_penalty), length_penalty=f(config.dllm_length_penalty),
-        length_start=f(config.dllm_length_penalty_start), length_window=f(config.dllm_length_penalty_window),
-        think_end_bias=f(config.dllm_think_end_bias), think_end_start=f(config.dllm_think_end_start),
-        think_end_window=f(config.dllm_think_end_window), temperature=f(config.temperature),
-        top_k=np.int32(config.top_k), top_p=f(config.top_p))
+    """The traced numeric controls of a generation config (each `Controls` field is the config field
+    of its name). NumPy scalars: the compiled loop takes them as traced arguments without a dispatch each."""
+    return Controls(**{name: (np.int32 if name == "top_k" else np.float32)(getattr(config, name))
+                       for name in Controls._fields})
 
 
 def token_ids_of(config: GenerationConfig) -> TokenIds:
