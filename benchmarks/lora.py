@@ -15,7 +15,8 @@ config; exact match of thinking + answer, and of the answer alone):
 Reported per method: trainable parameters, median step time (after the compiling first step),
 held-out exact match. Out of the test suite; a few minutes per method on 2 CPU cores.
 
-Usage: python benchmarks/lora.py [--steps N] [--problems N] [--methods full,lora,...]   (JSON on stdout)
+Usage: python benchmarks/lora.py [--steps N] [--problems N] [--methods full,lora,...] [--quick]
+(one JSON object, the last line on stdout; `make bench` runs it)
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import emit, machine, setup_environment  # noqa: E402
+
+setup_environment()
 
 import numpy as np  # noqa: E402
 
@@ -83,7 +87,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--problems", type=int, default=100)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--quick", action="store_true", help="20 steps, 20 problems, every method")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.problems = 20, 20
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     from clover_jax.training.recipe import write_task_data
@@ -99,8 +106,8 @@ def main() -> None:
             rows.append(run_method(name, data=data, out=os.path.join(directory, name), steps=args.steps,
                                    problems=problems, task=task))
             logger.info("%s", json.dumps(rows[-1]))
-    json.dump({"task": dataclasses.asdict(task), "steps": args.steps, "results": rows}, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    emit({"task": dataclasses.asdict(task), "steps": args.steps, "problems": args.problems, "results": rows,
+          "checks": [], "machine": machine()})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ summary table of the headline figures and ratios, one table per benchmark, and e
 full JSON output.
 
 Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time), soak.py
-(one server under a thousand mixed requests: memory, leftovers, errors), training.py
+(one server under a thousand mixed requests: memory, leftovers, errors), training.py, lora.py (LoRA
+and QLoRA against full fine-tuning)
 (the train step's objectives side by side),
 forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
 load_orbax.py (the last two with their own defaults), roofline.py
@@ -41,7 +42,8 @@ from benchmarks.sections import RENDER, TITLES, bound_text, f, table  # noqa: E4
 
 setup_environment()
 
-SCRIPTS = ["decoding", "serving", "soak", "training", "forward_cost", "expert_scaling", "context_scaling", "compile",
+SCRIPTS = ["decoding", "serving", "soak", "training", "lora", "forward_cost", "expert_scaling", "context_scaling",
+           "compile",
            "moe_scaling", "load", "load_orbax", "roofline", "compile_targets"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}

@@ -304,7 +304,35 @@ def render_training(j: dict):
                    ["training", "one-pass step / its roofline bound", f(j["step_over_roofline"])]]
 
 
+def render_soak(j: dict):
+    warm = j["after_warmup"]
+    rows = [["after the warm-up", j["warmup"], f(warm["rss_bytes"] / 2**30), warm["programs"]]]
+    done = j["warmup"]
+    for phase in j["phases"]:
+        done += phase["requests"]
+        rows.append([f"after {done} requests", phase["requests"], f(phase["rss_bytes"] / 2**30), phase["programs"]])
+    lines = table(["when", "requests in the phase", "resident GiB", "engine programs"], rows)
+    lines.append("")
+    lines.append(f"Concurrency {j['concurrency']}; 5xx or transport failures {j['server_errors']}; left in the engine "
+                 f"{j['left_in_engine']}; dropping the compiled programs afterwards freed "
+                 f"{f(j['bytes_freed_by_dropping_programs'] / 2**30)} GiB.")
+    lines.append("")
+    return lines, [["soak", "resident memory growth after the warm-up", f(j["rss_growth"])]]
+
+
+def render_lora(j: dict):
+    rows = [[r["method"], r["trainable_parameters"], f(r["step_seconds"]), f(r["final_loss"]), f(r["full_match"]),
+             f(r["answer_match"])] for r in j["results"]]
+    lines = table(["method", "trainable parameters", "step s", "final loss", "exact match", "answer match"], rows)
+    lines.append("")
+    lines.append(f"{j['steps']} steps, {j['problems']} held-out problems of {j['task']['min_digits']}-"
+                 f"{j['task']['max_digits']} digits, from the bundled tiny Clover.")
+    lines.append("")
+    return lines, [["lora", f"{r['method']}: held-out exact match", f(r["full_match"])] for r in j["results"]]
+
+
 RENDER = {"decoding": render_decoding, "serving": render_serving, "training": render_training,
+          "soak": render_soak, "lora": render_lora,
           "forward_cost": render_forward_cost,
           "expert_scaling": render_expert_scaling, "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
@@ -314,6 +342,8 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
                      "(`benchmarks/serving.py`)",
           "training": "Training: the one-pass objective vs one block per example (`benchmarks/training.py`)",
+          "soak": "Soak: one server under mixed requests (`benchmarks/soak.py`)",
+          "lora": "LoRA and QLoRA vs full fine-tuning on a new task variant (`benchmarks/lora.py`)",
           "forward_cost": "Per-forward cost on a medium random model (`benchmarks/forward_cost.py`)",
           "expert_scaling": "8 vs 64 experts, same model otherwise (`benchmarks/expert_scaling.py`)",
           "context_scaling": "Denoising step vs prefix length (`benchmarks/context_scaling.py`)",
