@@ -146,20 +146,35 @@ def convert_to_orbax(
         del leaves
         started = time.perf_counter()
         logger.info("writing the Orbax checkpoint (%.2f GB, %s) to %s", manifest.bytes / 1e9, manifest.dtype, building)
-        with _write_errors_named(target):
-            _checkpointer().save(os.path.join(building, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
-            del params
-            _fsync_tree(building)
+        checkpointer = _checkpointer()
+        try:
+            with _write_errors_named(target):
+                checkpointer.save(os.path.join(building, PARAMS_DIR), args=ocp.args.PyTreeSave(params))
+                del params
+                _fsync_tree(building)
+        finally:
+            checkpointer.close()  # after a failed write too: its writer threads end before the cleanup below
         logger.info("wrote and synced %.2f GB in %.1fs", manifest.bytes / 1e9, time.perf_counter() - started)
         _move_into_place(building, target)
         placed = True
         _write_durably(os.path.join(target, MANIFEST), manifest.to_json())  # the completion marker, last
     except BaseException:
-        shutil.rmtree(target if placed else building, ignore_errors=True)
+        _remove_tree(target if placed else building)
         raise
     logger.info("converted %s -> %s (%d leaves, %d parameters)", source, target, manifest.num_leaves,
                 manifest.num_parameters)
     return manifest
+
+
+def _remove_tree(path: str, attempts: int = 5) -> None:
+    """Remove `path` whole, retrying: a write that failed part-way (a full disk) can leave TensorStore
+    writes landing for a moment after the error, and `rmtree` then finds a directory not yet empty."""
+    for attempt in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.1 * (attempt + 1))
+    logger.warning("could not remove %s after a failed conversion; remove it by hand", path)
 
 
 @contextlib.contextmanager

@@ -170,5 +170,7 @@ def test_remat_recomputes_the_layer_groups_to_the_same_loss_and_gradient(model):
     # cross-entropy has its own in both)
     assert remat_trace.count("remat2[") > plain_trace.count("remat2[")
     np.testing.assert_allclose(float(remat), float(plain), rtol=1e-6)
+    # Recomputed activations are fused and rounded differently: a few elements of a leaf differ in
+    # float32's last bits, so each leaf is compared at 1e-5 of its own scale.
     for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
