@@ -21,8 +21,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite's programs are small and each runs a few times, so XLA:CPU's LLVM optimisation passes cost
 # more than they save: without them a test file of the tiny models ran in 2/3 of the time (121 s vs
-# 188 s for tests/clover_jax/nn/test_block_mode.py, cold caches). Numerics do not change: neither level
-# uses fast-math, and the order of every reduction is fixed before LLVM. Subprocesses inherit it.
+# 188 s for tests/clover_jax/nn/test_block_mode.py, cold caches; the whole suite ran in 22 min where it
+# had taken 54-74 on the same class of machine). Neither level uses fast-math and the order of every
+# reduction is fixed before LLVM, so results can differ only in float32's last bits (e.g. where the
+# optimiser contracts a multiply-add); every parity bound holds. Subprocesses inherit the flags.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
