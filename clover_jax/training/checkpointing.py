@@ -20,9 +20,12 @@ scales included) is saved beside the progress, and a resume over a different bas
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
+import re
 import signal
 
 import jax
@@ -56,6 +59,16 @@ def fingerprint(params) -> str:
     return digest.hexdigest()
 
 
+def _quiet_write_failures(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of an Orbax writer task that failed on an OS write error."""
+    exception = record.exc_info[1] if record.exc_info else None
+    if exception is None and isinstance(record.args, dict):
+        exception = record.args.get("exception")
+    context = getattr(record, "msg", "")
+    return not (isinstance(context, str) and "exception was never retrieved" in context
+                and "os_error_code" in str(exception or record.getMessage()))
+
+
 class Saver:
     """The run's Orbax `CheckpointManager` in `directory` (two checkpoints kept). base_fingerprint: a
     LoRA run's `fingerprint` of its frozen base (None: a full run, whose state holds every weight)."""
@@ -68,6 +81,10 @@ class Saver:
         self.base_fingerprint = base_fingerprint
         options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        # A failed write is reported once, by `_write_errors`; Orbax's writer tasks would otherwise each
+        # log it again through asyncio ("Task exception was never retrieved"), hundreds of tracebacks,
+        # some when the tasks are collected at exit: the filter stays for the process (it drops only those).
+        logging.getLogger("asyncio").addFilter(_quiet_write_failures)
 
     def restore_latest(self, state: TrainState, position: DataPosition,
                        history: list[dict]) -> tuple[TrainState, DataPosition, list[dict]]:
@@ -102,10 +119,32 @@ class Saver:
             return
         progress = {"position": {"step": position.step, "drawn": list(position.drawn)}, "metrics": history,
                     "base_fingerprint": self.base_fingerprint}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        progress=ocp.args.JsonSave(progress)), force=final)
+        with self._write_errors(step):  # the previous save's failure surfaces when the next one starts
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            progress=ocp.args.JsonSave(progress)), force=final)
         fault_point("save", step)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            with self._write_errors(None):
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None):
+        """A save that failed to write (a full disk: TensorStore reports it as a ValueError carrying the
+        OS error code) as one OSError that names the directory and the checkpoint a rerun resumes from."""
+        try:
+            yield
+        except (OSError, ValueError) as error:
+            code = re.search(r"os_error_code='?(\d+)", str(error))
+            if isinstance(error, ValueError) and code is None:
+                raise
+            number = int(code.group(1)) if code else (error.errno or errno.EIO)
+            latest = self.manager.latest_step()
+            resume = f"the checkpoint of step {latest} is whole" if latest is not None else "no checkpoint is whole"
+            raise OSError(number, f"saving a training checkpoint in {self.directory} failed: {os.strerror(number)} "
+                                  f"(a full disk?); {resume}, and the same command resumes from it once there is "
+                                  f"room") from error
+

@@ -102,7 +102,8 @@ RESUMED = ["--steps", "6", "--batch-size", "2", "--seq-len", "64", "--block-size
            "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "2", "--no-progress"]
 
 
-def train_command(data, out, checkpoints=None, kill_at=None):
+def train_command(data, out, checkpoints=None, kill_at=None, dry=False):
+    """Run `clover-jax train` on the resumption settings (`dry`: return the command instead)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("CLOVER_JAX_KILL_AT", None)
     if kill_at:
@@ -111,6 +112,8 @@ def train_command(data, out, checkpoints=None, kill_at=None):
                *RESUMED]
     if checkpoints:
         command += ["--checkpoint-dir", str(checkpoints)]
+    if dry:
+        return command
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -133,3 +136,51 @@ def test_a_run_killed_inside_a_step_and_during_a_save_resumes_to_the_same_checkp
         assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
     assert [json.loads(line)["loss"] for line in open(tmp_path / "resumed" / "metrics.jsonl")] == \
         [json.loads(line)["loss"] for line in open(tmp_path / "straight" / "metrics.jsonl")]
+
+
+FULL_DISK_AT_SAVE = """
+import resource, runpy, signal, sys
+from clover_jax.training import checkpointing
+
+save = checkpointing.Saver.maybe_save
+
+
+def maybe_save(self, step, *args, **kwargs):
+    if step == LIMIT_STEP:  # the disk fills just before this save, once the earlier ones are written
+        self.manager.wait_until_finished()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    return save(self, step, *args, **kwargs)
+
+
+checkpointing.Saver.maybe_save = maybe_save
+sys.argv = ["clover-jax", *sys.argv[1:]]
+runpy.run_module("clover_jax", run_name="__main__")
+"""
+
+
+def test_a_full_disk_during_a_checkpoint_save_fails_the_run_and_it_resumes_from_the_previous_one(task_data,
+                                                                                                 tmp_path):
+    """The disk fills (RLIMIT_FSIZE, reaching TensorStore's writes) just before step 4's save: the run
+    fails with an error, step 2's checkpoint stays whole, and the same command afterwards resumes
+    from it and writes what an uninterrupted run writes."""
+    straight = train_command(task_data, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    checkpoints = tmp_path / "checkpoints"
+    command = train_command(task_data, tmp_path / "resumed", checkpoints, dry=True)
+    script = FULL_DISK_AT_SAVE.replace("LIMIT_STEP", "4")
+    full = subprocess.run([sys.executable, "-c", script, *command[3:]], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900)
+    assert full.returncode == 1, full.stdout
+    # the run's own error: one line naming the directory and the checkpoint a rerun resumes from (Orbax
+    # logs the failure of each of its writer threads above it too)
+    [error] = [line for line in full.stderr.splitlines() if line.startswith("clover-jax: error:")]
+    assert f"saving a training checkpoint in {checkpoints} failed: File too large" in error and \
+        "the checkpoint of step 2 is whole" in error, error
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    resumed = train_command(task_data, tmp_path / "resumed", checkpoints)
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in resumed.stdout.splitlines() if '"loss"' in line]
+    assert [record["step"] for record in records] == [3, 4, 5, 6]  # from step 2's checkpoint
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
