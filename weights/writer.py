@@ -135,14 +135,14 @@ def _replace_file(path: str, write) -> None:
     try:
         write(temporary)
         os.replace(temporary, path)
-    except (OSError, safetensors_error()) as error:
+    except (OSError, _safetensors_error()) as error:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise OSError(getattr(error, "errno", None) or errno.EIO,
                       f"writing {path} failed ({error}); a full disk? what was there before is unchanged") from error
 
 
-def safetensors_error() -> type:
+def _safetensors_error() -> type:
     """The exception safetensors raises for a failed write (its Rust I/O errors), OSError if none."""
     try:
         from safetensors import SafetensorError
