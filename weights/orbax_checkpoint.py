@@ -177,6 +177,15 @@ def _remove_tree(path: str, attempts: int = 5) -> None:
     logger.warning("could not remove %s after a failed conversion; remove it by hand", path)
 
 
+def write_error_number(error: Exception) -> int | None:
+    """The OS error number of a failed write: an OSError's, or the one TensorStore (under Orbax)
+    carries in its ValueError's text (`os_error_code='27'`); None for any other error."""
+    if isinstance(error, OSError):
+        return error.errno or errno.EIO
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return int(code.group(1)) if code else None
+
+
 @contextlib.contextmanager
 def _write_errors_named(target: str):
     """A failed write (a full disk: TensorStore reports it as a ValueError carrying the OS error code)
@@ -184,10 +193,9 @@ def _write_errors_named(target: str):
     try:
         yield
     except (OSError, ValueError) as error:
-        code = re.search(r"os_error_code='?(\d+)", str(error))
-        if isinstance(error, ValueError) and code is None:
+        number = write_error_number(error)
+        if number is None:
             raise
-        number = int(code.group(1)) if code else (error.errno or errno.EIO)
         raise OSError(number, f"writing the Orbax checkpoint to {target} failed: {os.strerror(number)} (a full "
                       f"disk?); the source and anything at {target} before are unchanged. {error}") from error
 

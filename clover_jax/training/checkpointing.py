@@ -21,11 +21,9 @@ scales included) is saved beside the progress, and a resume over a different bas
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
-import re
 import signal
 
 import jax
@@ -138,10 +136,11 @@ class Saver:
         try:
             yield
         except (OSError, ValueError) as error:
-            code = re.search(r"os_error_code='?(\d+)", str(error))
-            if isinstance(error, ValueError) and code is None:
+            from weights.orbax_checkpoint import write_error_number
+
+            number = write_error_number(error)
+            if number is None:
                 raise
-            number = int(code.group(1)) if code else (error.errno or errno.EIO)
             latest = self.manager.latest_step()
             resume = f"the checkpoint of step {latest} is whole" if latest is not None else "no checkpoint is whole"
             raise OSError(number, f"saving a training checkpoint in {self.directory} failed: {os.strerror(number)} "
