@@ -1,7 +1,9 @@
 """Pallas kernels for the Clover backbone, each beside a plain-JAX oracle.
 
-* `gdn_chunk`: the chunked gated delta rule (Gated DeltaNet prefill/commit), oracle
-  `gdn_chunk_reference` (token by token).
+* `gdn_chunk`: the chunked gated delta rule (Gated DeltaNet prefill/commit), differentiable;
+  `gdn_chunk_with_block_states` also emits the state before every block (the training pass);
+  oracles `gdn_chunk_reference` (token by token) and `gdn_chunk_xla` (the plain-JAX chunked
+  rule, whose derivative is the kernel's backward pass).
 * `grouped_matmul`: routed-expert matmul over rows sorted by expert, weights in the checkpoint's
   [experts, out, in] layout — float, or int8 / int4 dequantised tile by tile inside the kernel
   (`quantized_weights` states their layout) — optionally only for a listed subset of experts
@@ -25,6 +27,8 @@ _EXPORTS = {
     "CHUNK_SIZE": "pallas_kernels.gdn_chunk_size",
     "gdn_chunk": "pallas_kernels.gdn_chunk",
     "gdn_chunk_reference": "pallas_kernels.gdn_chunk_reference",
+    "gdn_chunk_with_block_states": "pallas_kernels.gdn_chunk",
+    "gdn_chunk_xla": "pallas_kernels.gdn_chunk_xla",
     "GPU_TILES": "pallas_kernels.grouped_matmul",
     "TPU_TILES": "pallas_kernels.grouped_matmul",
     "Tiles": "pallas_kernels.grouped_matmul",
@@ -39,9 +43,13 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
-    from pallas_kernels.gdn_chunk import gdn_chunk as gdn_chunk
+    from pallas_kernels.gdn_chunk import (
+        gdn_chunk as gdn_chunk,
+        gdn_chunk_with_block_states as gdn_chunk_with_block_states,
+    )
     from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference as gdn_chunk_reference
     from pallas_kernels.gdn_chunk_size import CHUNK_SIZE as CHUNK_SIZE
+    from pallas_kernels.gdn_chunk_xla import gdn_chunk_xla as gdn_chunk_xla
     from pallas_kernels.grouped_matmul import (
         GPU_TILES as GPU_TILES,
         TPU_TILES as TPU_TILES,
