@@ -14,7 +14,9 @@ chunk — asks the same `KernelChoice`.
 | "pallas" | "dot_product_attention" (cuDNN on GPU) | "pallas" (`gdn_chunk`)       | "grouped" (grouped matmuls)    |
 | "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"   | GPU, TPU: Pallas; CPU: XLA   | GPU, TPU: grouped; CPU: tiled  |
 
-One causal row (an autoregressive step) always takes the "recurrent" per-token rule. The
+One causal row (an autoregressive step) always takes the "recurrent" per-token rule. A training
+pass's clean stream takes `block_states_rule`: the same "pallas" / "chunked" choice, with the state
+kept at every block boundary. The
 grouped matmul is megablox `gmm` on TPU for float weights and our Pallas kernel otherwise
 (`pallas_kernels.platforms.grouped_matmul_kernel`). On CPU every Pallas kernel is interpreted:
 slow, for parity tests only.
@@ -37,7 +39,7 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_kernels.gdn_chunk_size import CHUNK_SIZE
+from pallas_kernels.gdn_chunk_size import CHUNK_SIZE, chunk_for_blocks
 from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
 
 __all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice",
@@ -121,6 +123,16 @@ class KernelChoice:
             return GDNRule("pallas", self.gdn_chunk or CHUNK_SIZE, self.interpret)
         chunk = self.gdn_chunk or min(CHUNK_SIZE, max(16, 1 << max(0, causal_rows - 1).bit_length()))
         return GDNRule("chunked", chunk, self.interpret)
+
+    def block_states_rule(self, block_size: int) -> GDNRule:
+        """The rule of a training pass's clean stream, whose state every noisy block reads at its
+        block's start: chunks end on block boundaries (`chunk_for_blocks`). The Pallas kernel
+        where `gdn` is "pallas" and the block divides 64 or is a multiple of it; the XLA rule
+        otherwise (its chunk may be any block)."""
+        chunk = chunk_for_blocks(block_size)
+        if self.gdn == "pallas" and chunk is not None:
+            return GDNRule("pallas", chunk, self.interpret)
+        return GDNRule("chunked", chunk or block_size, self.interpret)
 
     def expert_rule(self, quantized: bool, expert_devices: int = 1, on_mesh: bool = False) -> ExpertRule:
         """The rule for routed experts whose weights are `quantized` (or not), on a mesh whose expert

@@ -38,7 +38,11 @@ from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.core.passes import PassMode
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 from clover_jax.core.streams import StreamMode
-from clover_jax.nn.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from clover_jax.nn.gated_delta import (
+    chunked_gated_delta_rule,
+    gated_delta_rule_with_block_states,
+    recurrent_gated_delta_rule,
+)
 from clover_jax.nn.gdn_streams import two_stream_core
 from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
@@ -81,7 +85,25 @@ def gated_delta_rule(rule: GDNRule):
     return functools.partial(chunked_gated_delta_rule, chunk_size=rule.chunk_size)
 
 
-def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value_heads: int):
+def gated_delta_rule_with_blocks(rule: GDNRule, block_size: int):
+    """The function a training pass's rule (`KernelChoice.block_states_rule`) names: (q, k, v, decay,
+    beta, resets) -> (outputs, states before each block), from a zero state, restarting where
+    `resets` (bool [batch, blocks]) says; differentiable either way."""
+    if rule.kernel == "pallas":
+        from pallas_kernels import gdn_chunk_with_block_states
+
+        def kernel(query, key, value, decay, beta, resets):
+            out, _, states = gdn_chunk_with_block_states(query, key, value, decay, beta, block_size=block_size,
+                                                         resets=resets, chunk_size=rule.chunk_size,
+                                                         interpret=rule.interpret)
+            return out, states
+
+        return kernel
+    return lambda *args: gated_delta_rule_with_block_states(*args[:5], block_size=block_size, resets=args[5])
+
+
+def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value_heads: int,
+            block_states: bool = False):
     """`rule` (a gated-delta-rule kernel) run per device inside `shard_map`: XLA's partitioner
     cannot split a Pallas custom call, so the kernel sees its device's sequences and heads. Heads
     are split over the axis the rules give value heads when both head counts divide it; a key
@@ -94,8 +116,12 @@ def on_mesh(rule, mesh_sharding: MeshSharding, batch: int, key_heads: int, value
     heads = PartitionSpec(batch_axis, None, heads_axis, None)
     per_token = PartitionSpec(batch_axis, None, heads_axis)
     state = PartitionSpec(batch_axis, heads_axis, None, None)
-    return jax.shard_map(rule, mesh=mesh_sharding.mesh, in_specs=(heads, heads, heads, per_token, per_token, state),
-                         out_specs=(heads, state), check_vma=False)
+    if block_states:  # (q, k, v, decay, beta, resets) -> (outputs, states [b, blocks, h, dk, dv])
+        in_specs = (heads, heads, heads, per_token, per_token, PartitionSpec(batch_axis, None))
+        out_specs = (heads, PartitionSpec(batch_axis, None, heads_axis, None, None))
+    else:
+        in_specs, out_specs = (heads, heads, heads, per_token, per_token, state), (heads, state)
+    return jax.shard_map(rule, mesh=mesh_sharding.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 class GatedDeltaNet(nn.Module):
@@ -146,7 +172,13 @@ class GatedDeltaNet(nn.Module):
 
         if isinstance(mode, StreamMode):  # a training pass: both streams, no state (clover_jax.core.streams)
             mixed = mixed.astype(self.dtype)
-            core = two_stream_core(mixed, beta_logit, decay_logit, rows, mode, conv_weight=conv_weight,
+            rule = self.kernels.block_states_rule(mode.block_size)
+            block_rule = gated_delta_rule_with_blocks(rule, mode.block_size)
+            if rule.kernel == "pallas" and self.mesh_sharding is not None:
+                block_rule = on_mesh(block_rule, self.mesh_sharding, x.shape[0], config.linear_num_key_heads, heads,
+                                     block_states=True)
+            core = two_stream_core(mixed, beta_logit, decay_logit, rows, mode, block_rule=block_rule,
+                                   conv_weight=conv_weight,
                                    right_weight=right_weight, split_qkv=split_qkv, repeat=repeat, decay_of=decay_of,
                                    block_mode=block_mode)
             return self._output(core, gate), None

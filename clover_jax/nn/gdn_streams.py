@@ -7,8 +7,9 @@ prefix gets (docs/design.md §3), computed for every block at once:
   block (zeros before the example's first row; for B < K−1 they reach back over several blocks)
   and the noisy rows of its own block; the right-context branch reads its block's noisy rows only;
 * the memory readout reads the recurrent state after the clean row before its block: the clean
-  stream runs the chunked rule with one chunk per block (`gated_delta_rule_with_block_states`),
-  so every block boundary is a chunk boundary and its state is exact;
+  stream runs the chunked rule with chunks that end on block boundaries (the XLA rule
+  `gated_delta_rule_with_block_states`, or the Pallas kernel `gdn_chunk_with_block_states` where
+  the kernel choice says so), so every block boundary is a chunk boundary and its state is exact;
 * the clean stream itself is the causal pass of §1, every example starting from zero state and
   a zero conv window (`clover_jax.core.streams`).
 
@@ -24,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.streams import StreamMode, Streams
-from clover_jax.nn.gated_delta import gated_delta_rule_with_block_states
 from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
 
 
@@ -70,6 +70,7 @@ def two_stream_core(
     streams: Streams,
     mode: StreamMode,
     *,
+    block_rule: Callable,
     conv_weight: jax.Array,
     right_weight: jax.Array,
     split_qkv: Callable,
@@ -80,7 +81,9 @@ def two_stream_core(
     """The token mixer's core output for both streams, before the gated norm.
 
     mixed: [b, L + N*B, conv_dim] (`in_proj_qkv`, model dtype); beta_logit, decay_logit:
-    [b, L + N*B, value_heads]; the callables are the layer's own (`GatedDeltaNet`): the q/k/v split
+    [b, L + N*B, value_heads]; block_rule: the gated delta rule with the state before every block
+    (`gdn.gated_delta_rule_with_blocks`: (q, k, v, decay, beta, resets) -> (outputs, states));
+    the other callables are the layer's own (`GatedDeltaNet`): the q/k/v split
     with L2 norms, the key-head repeat, the log decay g, the block-mode attention with its
     parameters. returns float32 [b, L + N*B, value_heads, value_dim]
     """
@@ -94,9 +97,8 @@ def two_stream_core(
     query, key, value = split_qkv(jax.nn.silu(causal_conv_with_resets(clean, conv_weight, streams.segment)))
     decay = decay_of(decay_logit[:, :length])
     resets = streams.example_starts()[:, ::block_size]
-    clean_core, states = gated_delta_rule_with_block_states(
-        query * query.shape[-1] ** -0.5, key, value, decay, jax.nn.sigmoid(beta_logit[:, :length]),
-        block_size=block_size, resets=resets)
+    clean_core, states = block_rule(query * query.shape[-1] ** -0.5, key, value, decay,
+                                    jax.nn.sigmoid(beta_logit[:, :length]), resets)
 
     if not blocks:  # next-token training: the clean stream alone
         return clean_core
