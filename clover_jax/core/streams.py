@@ -54,19 +54,24 @@ class Streams(NamedTuple):
         rows = self.block_index[:, :, None] * block_size + jnp.arange(block_size)
         return jnp.take_along_axis(self.positions, rows.reshape(rows.shape[0], -1), axis=1)
 
-    def clean_attention_mask(self, block_size: int) -> jax.Array:
-        """bool [b, L + N * B, L]: which clean keys each row of both streams attends to.
-
-        A clean row sees the rows of its example up to itself; a noisy row of block k sees the
-        rows of its example before k's first row (the clean prefix `denoise_logits` holds)."""
+    def clean_attention_rule(self, block_size: int) -> tuple[jax.Array, jax.Array]:
+        """Which clean keys each row of both streams attends to, as two int32 [b, L + N * B]:
+        (segment, limit) — row q sees clean key j when `segment[q] == self.segment[j]` and
+        `j < limit[q]`. A clean row p sees the rows of its example up to itself (limit p + 1); a
+        noisy row of block k sees the rows of its example before k's first row (limit kB: the
+        clean prefix `denoise_logits` holds). Linear in the length, unlike the mask it describes."""
         batch, length = self.segment.shape
-        index = jnp.arange(length)
-        same = self.segment[:, :, None] == self.segment[:, None, :]
-        clean = same & (index[None, None, :] <= index[None, :, None])
-        block_start = jnp.repeat(self.block_index * block_size, block_size, axis=1)       # [b, N * B]
-        segment = jnp.repeat(self.block_segment, block_size, axis=1)
-        noisy = (segment[:, :, None] == self.segment[:, None, :]) & (index[None, None, :] < block_start[:, :, None])
-        return jnp.concatenate([clean, noisy], axis=1)
+        clean_limit = jnp.broadcast_to(jnp.arange(1, length + 1, dtype=jnp.int32), (batch, length))
+        segment = jnp.concatenate([self.segment, jnp.repeat(self.block_segment, block_size, axis=1)], axis=1)
+        limit = jnp.concatenate([clean_limit, jnp.repeat(self.block_index * block_size, block_size, axis=1)], axis=1)
+        return segment, limit
+
+    def clean_attention_mask(self, block_size: int) -> jax.Array:
+        """bool [b, L + N * B, L]: `clean_attention_rule` written out as a mask (for inspection and
+        tests: it is quadratic in the length)."""
+        segment, limit = self.clean_attention_rule(block_size)
+        index = jnp.arange(self.segment.shape[1])
+        return (segment[:, :, None] == self.segment[:, None, :]) & (index[None, None, :] < limit[:, :, None])
 
     def example_starts(self) -> jax.Array:
         """bool [b, L]: rows where an example (or a padding run) begins."""

@@ -66,9 +66,10 @@ class GatedAttention(nn.Module):
         cos, sin = rope_angles(positions, config.rotary_dim, config.rope_theta)
         query, key = apply_partial_rope(query, cos, sin), apply_partial_rope(key, cos, sin)
         if streams:
-            out = two_stream_attention(query, key, value, clean_length=rows.segment.shape[1],
-                                       block_size=mode.block_size,
-                                       clean_mask=rows.clean_attention_mask(mode.block_size))
+            query_segment, query_limit = rows.clean_attention_rule(mode.block_size)
+            out = two_stream_attention(query, key, value, query_segment=query_segment, query_limit=query_limit,
+                                       key_segment=rows.segment, block_size=mode.block_size,
+                                       key_block=self.key_block)
             return self._output(out, gate), None
 
         causal = mode.num_causal
