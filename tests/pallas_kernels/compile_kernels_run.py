@@ -43,6 +43,7 @@ def cases(platform: str):
         args = (qk, qk, spec((1, tokens, VALUE_HEADS, HEAD_DIM), bf16), *per_token,
                 spec((1, VALUE_HEADS, HEAD_DIM, HEAD_DIM), f32))
         yield f"gdn_chunk/{tokens}", lambda *a: gdn_chunk(*a, interpret=False), args
+    yield from gdn_backward_cases()
     for fmt in FORMATS:
         quant = QuantSpec.parse(fmt)
         for name, (depth, cols) in MATMULS.items():
@@ -66,6 +67,33 @@ def cases(platform: str):
                    lambda lhs, rhs, sizes, active, *scales: grouped_matmul(
                        lhs, rhs, sizes, rhs_scales=scales[0] if scales else None, active_groups=active,
                        variant="tpu" if platform == "tpu" else "gpu", interpret=False), args)
+
+
+# The training pass's GDN rule, differentiated: the clean stream of 2,048 tokens with the state
+# before every block of 32 (`gdn_chunk_with_block_states`), forward the Pallas kernel, backward the
+# XLA rule's derivative. Its own function: other cases are added beside it.
+BACKWARD_BLOCK = 32
+
+
+def gdn_backward_cases():
+    """(name, function, abstract args): value and gradients w.r.t. q, k, v, decay, beta."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import gdn_chunk_with_block_states
+
+    spec = jax.ShapeDtypeStruct
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    qk = spec((1, TOKENS, KEY_HEADS, HEAD_DIM), f32)
+    args = (qk, qk, spec((1, TOKENS, VALUE_HEADS, HEAD_DIM), bf16), spec((1, TOKENS, VALUE_HEADS), f32),
+            spec((1, TOKENS, VALUE_HEADS), bf16), spec((1, TOKENS // BACKWARD_BLOCK), jnp.bool_))
+
+    def loss(query, key, value, decay, beta, resets):
+        out, _, states = gdn_chunk_with_block_states(query, key, value, decay, beta, block_size=BACKWARD_BLOCK,
+                                                     resets=resets, interpret=False)
+        return jnp.sum(out * out) + jnp.sum(states * states)
+
+    yield f"gdn_chunk_backward/{TOKENS}", jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), args
 
 
 def main(out_path: str) -> None:

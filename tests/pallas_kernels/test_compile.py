@@ -1,7 +1,8 @@
 """Every Pallas kernel compiles — not only lowers — for TPU v5e, TPU v6e and an H200 (sm_90), at
 Clover-35B-A3B's shapes and with the arguments the model passes: the GDN chunk scan (a prefill
-chunk and a block commit), the routed experts' grouped matmul in bfloat16 (megablox on TPU),
-int8 and int4 (our kernel, dequantising tile by tile), and with `active_groups` (a coreset).
+chunk and a block commit, and differentiated with its block states, as the training pass runs
+it), the routed experts' grouped matmul in bfloat16 (megablox on TPU), int8 and int4 (our
+kernel, dequantising tile by tile), and with `active_groups` (a coreset).
 
 Deviceless ahead-of-time compilation runs the real compilers here (Mosaic's layout passes,
 Triton + ptxas), so a kernel that lowers but that the compiler refuses fails here — as Mosaic
@@ -48,8 +49,26 @@ def expected_cases() -> list[str]:
     return [f"{target}/{name}" for target in run.TARGETS for name in names]
 
 
+def gdn_backward_cases() -> list[str]:
+    """The differentiated GDN training rule's cases (`compile_kernels_run.gdn_backward_cases`)."""
+    return [f"{target}/gdn_chunk_backward/{run.TOKENS}" for target in run.TARGETS]
+
+
 def test_every_kernel_case_was_compiled(compiled):
-    assert sorted(compiled) == sorted(expected_cases())
+    assert sorted(compiled) == sorted(expected_cases() + gdn_backward_cases())
+
+
+@pytest.mark.parametrize("case", gdn_backward_cases())
+def test_the_gdn_training_rule_compiles_with_its_backward_pass(compiled, case):
+    """value_and_grad through the block-state kernel: the forward is the Pallas custom call, and the
+    gradients come back in the inputs' dtypes (bf16 values and betas get bf16 gradients)."""
+    result = compiled[case]
+    assert "error" not in result, result["error"]
+    assert result["custom_call"]
+    qk = [[1, run.TOKENS, run.KEY_HEADS, run.HEAD_DIM], "float32"]
+    per_token = [1, run.TOKENS, run.VALUE_HEADS]
+    assert result["out"] == [[[], "float32"], qk, qk, [[1, run.TOKENS, run.VALUE_HEADS, run.HEAD_DIM], "bfloat16"],
+                             [per_token, "float32"], [per_token, "bfloat16"]]
 
 
 @pytest.mark.parametrize("case", expected_cases())
