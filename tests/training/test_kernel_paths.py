@@ -42,3 +42,17 @@ def test_the_pallas_gdn_rule_gives_the_xla_rules_pass_and_gradient(model):  # no
     differences = jax.tree.leaves(jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads,
                                                          expected_grads))
     assert max(differences) / scale < 1e-5, max(differences) / scale
+
+
+def test_the_training_gdn_rule_takes_the_kernel_where_the_blocks_fit_its_chunks():
+    from clover_jax.core.kernels import GDNRule, choose_kernels
+
+    tpu, gpu, cpu = (choose_kernels("auto", platform) for platform in ("tpu", "gpu", "cpu"))
+    assert [tpu.block_states_rule(size) for size in (4, 32, 64, 128)] == [
+        GDNRule("pallas", 4, False), GDNRule("pallas", 32, False), GDNRule("pallas", 64, False),
+        GDNRule("pallas", 64, False)]
+    assert gpu.block_states_rule(32) == GDNRule("pallas", 32, False)
+    # a block of 48 ends inside a 64-row chunk: the XLA rule, one chunk per block
+    assert tpu.block_states_rule(48) == GDNRule("chunked", 48, False)
+    assert cpu.block_states_rule(32) == GDNRule("chunked", 32, True)
+    assert choose_kernels("pallas", "cpu").block_states_rule(32) == GDNRule("pallas", 32, True)
