@@ -176,7 +176,7 @@ class SparseMoE(nn.Module):
         if adapters is not None or (training and is_quantized(gate_up_proj)):
             # A LoRA / QLoRA training pass: grouped matmuls that reverse mode differentiates (`expert_lora`).
             routed = adapted_expert_mlp(tokens, *pairs, gate_up_proj, down_proj,
-                                        adapters or ExpertAdapters(None, None, None, None))
+                                        adapters or ExpertAdapters(None, None, None, None), rule)
         elif rule.per_device:
             routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)
         else:
