@@ -112,8 +112,8 @@ def test_a_training_pass_with_grouped_experts_has_the_loss_and_gradients_of_the_
     vocab = clover.config.vocab_size
     clean = jnp.asarray(rng.randint(0, vocab - 1, (2, length)), jnp.int32)
     noisy = jnp.asarray(rng.randint(0, vocab - 1, (2, length // block, block)), jnp.int32)
-    streams = make_streams(jnp.ones((2, length), jnp.int32), jnp.broadcast_to(jnp.arange(length // block), (2, length // block)),
-                           block)
+    blocks = jnp.broadcast_to(jnp.arange(length // block), (2, length // block))
+    streams = make_streams(jnp.ones((2, length), jnp.int32), blocks, block)
 
     def loss(params, module):
         out = stream_pass(module, params, clean, noisy, streams, block_size=block, coreset=True,
