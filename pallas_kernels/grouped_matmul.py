@@ -21,6 +21,9 @@ product of a tile is scaled afterwards by its scale row, along the output lanes.
 contraction tile is one pair of groups: its bytes' low nibbles are the first group, the high
 nibbles the second, each multiplying its own half of the lhs tile and scaled by its own row.
 
+Differentiable: `grouped_matmul` has a custom VJP whose d lhs and d rhs kernels are in
+`grouped_matmul_backward.py` (a quantised rhs is frozen and gets no cotangent).
+
 Routed experts: gate_up is rhs [experts, 2 * intermediate, hidden], down is rhs
 [experts, hidden, intermediate].
 """

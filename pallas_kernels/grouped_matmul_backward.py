@@ -293,6 +293,7 @@ def _dw_megablox(lhs, d_out, group_sizes, active_groups, *, num_groups, out_dtyp
         row = jnp.arange(rows)
         listed_row = jnp.any((row[:, None] >= starts) & (row[:, None] < ends), axis=1)
         d_out = jnp.where(listed_row[:, None], d_out, jnp.zeros((), d_out.dtype))
+        lhs = jnp.where(listed_row[:, None], lhs, jnp.zeros((), lhs.dtype))
     tile_rows = min(128, max(16, pl.next_power_of_2(rows)))
     pad = lambda x: jnp.pad(x, [(0, (-rows) % tile_rows), (0, 0)])
     tiling = (tile_rows, fit_tile(d_out.shape[1], 512), fit_tile(depth, 512))

@@ -47,7 +47,7 @@ def expected_cases() -> list[str]:
         for matmul in run.MATMULS:
             names += [f"experts/{fmt or 'bf16'}/{matmul}/{rows}" for rows in (run.TOKENS * run.TOP_K, 32 * run.TOP_K)]
             names.append(f"experts_active_groups/{fmt or 'bf16'}/{matmul}")
-            names.append(f"experts_backward/{fmt or 'bf16'}/{matmul}")
+        names.append(f"experts_backward/{fmt or 'bf16'}/gate_up")
     return [f"{target}/{name}" for target in run.TARGETS for name in names]
 
 
