@@ -67,23 +67,33 @@ def adapters(num_experts, seed):
                           factor(num_experts, RANK, INTERMEDIATE), factor(num_experts, HIDDEN, RANK))
 
 
-def test_lora_experts_through_the_grouped_kernels_equal_ragged_dot_over_the_dequantised_base():
+def test_lora_experts_through_the_grouped_kernels_equal_ragged_dot_over_the_dequantised_base(small_clover_checkpoint):
     """A QLoRA int4 base (read per tile in the forward and in d rows; int8 and float bases are the
-    same kernels: tests/pallas_kernels/test_grouped_matmul_backward.py) with float32 factors."""
+    same kernels: tests/pallas_kernels/test_grouped_matmul_backward.py) with float32 factors, the
+    grouped form run per device on a mesh (`shard_map`, as on an accelerator mesh; one device here)."""
+    from clover_jax.core.config import CloverConfig
     from clover_jax.core.quantization import QuantSpec, quantize
+    from clover_jax.nn.moe import expert_parallel_mlp
+    from clover_jax.parallel.sharding import MeshSharding, make_mesh
 
-    tokens, ids, weights, gate_up, down, cotangent = case(30, 6, 2, seed=4)
+    tokens, ids, weights, gate_up, down, cotangent = case(30, 8, 2, seed=4)
     gate_up, down = (quantize(np.asarray(w), QuantSpec(4, group_size=8)) for w in (gate_up, down))
-    factors = adapters(6, seed=1)
+    factors = adapters(8, seed=1)
+    mesh = MeshSharding(make_mesh(devices=jax.devices()[:1]), CloverConfig.from_pretrained(small_clover_checkpoint))
+    rule = KernelChoice(moe="pallas").for_training().expert_rule(True, expert_devices=1, on_mesh=True)
+    assert rule.kernel == "grouped" and rule.per_device
 
-    def loss(tokens, weights, factors, rule):
-        out = adapted_expert_mlp(tokens, ids, weights, gate_up, down, factors, rule)
-        return jnp.sum(out * cotangent)
+    def grouped(tokens, weights, factors):
+        return expert_parallel_mlp(rule, mesh, tokens, ids, weights, gate_up, down, factors)
 
-    grouped, ragged = (jax.jit(jax.value_and_grad(functools.partial(loss, rule=rule), (0, 1, 2)))(
-        tokens, weights, factors) for rule in (GROUPED, None))
-    assert_close(grouped[0], ragged[0])
-    for got, want in zip(jax.tree.leaves(grouped[1]), jax.tree.leaves(ragged[1]), strict=True):
+    def ragged(tokens, weights, factors):
+        return adapted_expert_mlp(tokens, ids, weights, gate_up, down, factors)
+
+    (value, grads), (expected, expected_grads) = (
+        jax.jit(jax.value_and_grad(lambda *args, mlp=mlp: jnp.sum(mlp(*args) * cotangent), (0, 1, 2)))(
+            tokens, weights, factors) for mlp in (grouped, ragged))
+    assert_close(value, expected)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
         assert_close(got, want)  # tokens, router combine weights, each expert's four LoRA factors
 
 
