@@ -9,7 +9,8 @@
   (`quantized_weights` states their layout) — optionally only for a listed subset of experts
   (the block coreset); oracle `grouped_matmul_reference` (`jax.lax.ragged_dot` after
   dequantising). `grouped_matmul_for_platform` picks JAX's shipped kernel where it is the better
-  one (megablox on TPU, float weights).
+  one (megablox on TPU, float weights). Both are differentiable (`grouped_matmul_backward`: d lhs
+  through the stored weights, quantised ones per tile; d rhs by the transposed grouped matmul).
 
 The names below are imported on first use: importing Pallas costs startup time, and
 `pallas_kernels.quantized_weights` (plain JAX) is read by code that never runs a kernel.

@@ -21,6 +21,9 @@ product of a tile is scaled afterwards by its scale row, along the output lanes.
 contraction tile is one pair of groups: its bytes' low nibbles are the first group, the high
 nibbles the second, each multiplying its own half of the lhs tile and scaled by its own row.
 
+Differentiable: `grouped_matmul` has a custom VJP whose d lhs and d rhs kernels are in
+`grouped_matmul_backward.py` (a quantised rhs is frozen and gets no cotangent).
+
 Routed experts: gate_up is rhs [experts, 2 * intermediate, hidden], down is rhs
 [experts, hidden, intermediate].
 """
@@ -306,6 +309,57 @@ def grouped_matmul(
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     compute_dtype = lhs.dtype if fmt.bits else jnp.promote_types(lhs.dtype, rhs.dtype)
     precision = default_precision(compute_dtype) if precision is None else precision
+    options = _Options(out_dtype, compute_dtype, precision, tiles, variant, interpret, num_warps, num_stages)
+    return _differentiable(options, lhs, rhs, group_sizes, rhs_scales, active_groups)
+
+
+class _Options(NamedTuple):
+    out_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+    precision: jax.lax.Precision
+    tiles: Tiles | None
+    variant: Variant
+    interpret: bool | None
+    num_warps: int
+    num_stages: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(options: _Options, lhs, rhs, group_sizes, rhs_scales, active_groups):
+    """`grouped_matmul` with its backward pass (`grouped_matmul_backward`): d lhs through the
+    weights as stored (quantised ones dequantised per tile), d rhs for float weights only."""
+    return _forward(options, lhs, rhs, group_sizes, rhs_scales, active_groups)
+
+
+def _differentiable_forward(options, lhs, rhs, group_sizes, rhs_scales, active_groups):
+    out = _forward(options, lhs, rhs, group_sizes, rhs_scales, active_groups)
+    return out, (lhs, rhs, group_sizes, rhs_scales, active_groups)
+
+
+def _differentiable_backward(options: _Options, residuals, d_out):
+    from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
+
+    lhs, rhs, group_sizes, rhs_scales, active_groups = residuals
+    fmt = weight_format(rhs, rhs_scales, lhs.shape[1])
+    compute_dtype = jnp.promote_types(d_out.dtype, lhs.dtype if fmt.bits else rhs.dtype)
+    d_lhs = grouped_matmul_dx(d_out, rhs, group_sizes, fmt=fmt, rhs_scales=rhs_scales, active_groups=active_groups,
+                              out_dtype=lhs.dtype, compute_dtype=compute_dtype, variant=options.variant,
+                              interpret=options.interpret)
+    # Quantised weights are frozen (QLoRA): neither their codes nor their scales get a cotangent.
+    d_rhs = None if fmt.bits else weight_gradient(lhs, d_out, group_sizes, active_groups=active_groups,
+                                                  out_dtype=rhs.dtype, variant=options.variant,
+                                                  interpret=options.interpret)
+    return d_lhs, d_rhs, None, None, None
+
+
+_differentiable.defvjp(_differentiable_forward, _differentiable_backward)
+
+
+def _forward(options: _Options, lhs, rhs, group_sizes, rhs_scales, active_groups):
+    rows, depth = lhs.shape
+    num_groups, cols, _ = rhs.shape
+    fmt = weight_format(rhs, rhs_scales, depth)
+    out_dtype, compute_dtype, precision, tiles = options[:4]
     listed = num_groups if active_groups is None else active_groups.shape[0]
     if rows == 0 or listed == 0:
         return jnp.zeros((rows, cols), out_dtype)
@@ -322,7 +376,7 @@ def grouped_matmul(
         call = _build_call(chosen_variant, chosen_interpret, shapes=(padded_rows, depth, num_groups, cols),
                            max_tiles=max(1, max_tiles), tiles=chosen, out_dtype=out_dtype,
                            compute_dtype=compute_dtype, precision=precision, fmt=fmt, scale_groups=scale_groups,
-                           num_warps=num_warps, num_stages=num_stages)
+                           num_warps=options.num_warps, num_stages=options.num_stages)
 
         def run(lhs, rhs, group_sizes, *extra):
             scales = extra[:1] if fmt.bits else ()
@@ -334,6 +388,6 @@ def grouped_matmul(
 
         return run
 
-    run = per_platform(build, variant, interpret)
+    run = per_platform(build, options.variant, options.interpret)
     extra = (() if rhs_scales is None else (rhs_scales,)) + (() if active_groups is None else (active_groups,))
     return run(lhs, rhs, group_sizes, *extra)

@@ -13,15 +13,22 @@
   instructions, needs lhs and rhs of one dtype, leaves rows past the total undefined, has no
   `active_groups`, and its numbers have not been checked on a GPU in this project yet.
 * CPU: `jax.lax.ragged_dot` through XLA (the oracle); Pallas only interprets on CPU.
+
+Every choice is differentiable (`grouped_matmul_backward`): d lhs through the weights as stored
+(megablox `gmm` without the transpose on TPU, our kernel otherwise, quantised weights dequantised
+per tile), d rhs for float weights (megablox `tgmm` on TPU, our Triton kernel on GPU, XLA's
+autodiff of `ragged_dot` on CPU). Quantised weights are frozen: no cotangent.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.grouped_matmul import fit_tile, grouped_matmul
+from pallas_kernels.grouped_matmul import WeightFormat, fit_tile, grouped_matmul
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
 from pallas_kernels.platforms import GroupedKernel, grouped_matmul_kernel, platform_name
 
@@ -31,15 +38,51 @@ def _rows_past_total_to_zero(out: jax.Array, group_sizes: jax.Array) -> jax.Arra
     return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _megablox(lhs, rhs, group_sizes, out_dtype, interpret):
-    from jax.experimental.pallas.ops.tpu.megablox import gmm
+def _megablox(lhs, rhs, group_sizes, out_dtype, interpret, transpose_rhs=True):
+    """out [rows, n] = lhs [rows, k] @ W[g] for rhs [groups, n, k] (`transpose_rhs`, the forward) or
+    [groups, k, n] (d lhs of the forward, through the same stored weights)."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm
 
     rows, depth = lhs.shape
     tile_rows = min(128, max(16, pl.next_power_of_2(rows)))
     padded = jnp.pad(lhs, [(0, (-rows) % tile_rows), (0, 0)])  # gmm needs whole row tiles
-    tiling = (tile_rows, fit_tile(depth, 512), fit_tile(rhs.shape[1], 512))
-    out = gmm(padded, rhs, group_sizes.astype(jnp.int32), out_dtype, tiling, transpose_rhs=True, interpret=interpret)
+    cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tiling = (tile_rows, fit_tile(depth, 512), fit_tile(cols, 512))
+    out = gmm(padded, rhs, group_sizes.astype(jnp.int32), out_dtype, tiling, transpose_rhs=transpose_rhs,
+              interpret=interpret)
     return _rows_past_total_to_zero(out[:rows], group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _shipped_kernel(kernel: str, out_dtype, interpret: bool, lhs, rhs, group_sizes):
+    """A kernel JAX ships (float weights, every group) with our backward pass: megablox's `gmm`
+    has a VJP of its own, but its d lhs leaves the rows past Σ group_sizes undefined (they are
+    real rows here, whose gradient is 0); Hopper's ragged dot has none."""
+    if kernel == "megablox":
+        return _megablox(lhs, rhs, group_sizes, out_dtype, interpret)
+    return _mosaic_gpu(lhs, rhs, group_sizes, out_dtype)
+
+
+def _shipped_forward(kernel, out_dtype, interpret, lhs, rhs, group_sizes):
+    return _shipped_kernel(kernel, out_dtype, interpret, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _shipped_backward(kernel, out_dtype, interpret, residuals, d_out):
+    from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
+
+    lhs, rhs, group_sizes = residuals
+    variant = "tpu" if kernel == "megablox" else "gpu"
+    if kernel == "megablox":
+        d_lhs = _megablox(d_out, rhs, group_sizes, lhs.dtype, interpret, transpose_rhs=False)
+    else:
+        d_lhs = grouped_matmul_dx(d_out, rhs, group_sizes, fmt=WeightFormat(), out_dtype=lhs.dtype,
+                                  compute_dtype=jnp.promote_types(d_out.dtype, rhs.dtype), variant=variant,
+                                  interpret=interpret)
+    d_rhs = weight_gradient(lhs, d_out, group_sizes, out_dtype=rhs.dtype, variant=variant, interpret=interpret)
+    return d_lhs, d_rhs, None
+
+
+_shipped_kernel.defvjp(_shipped_forward, _shipped_backward)
 
 
 def _mosaic_gpu(lhs, rhs, group_sizes, out_dtype):
@@ -77,12 +120,12 @@ def grouped_matmul_for_platform(
     if chosen in ("megablox", "mosaic_gpu") and rhs_scales is not None:
         raise ValueError(f"kernel={chosen!r} takes float weights; use kernel='pallas' for quantised weights")
     if chosen == "xla":
+        if rhs_scales is not None:  # a quantised base is frozen, as in the kernels' backward
+            rhs, rhs_scales = jax.lax.stop_gradient(rhs), jax.lax.stop_gradient(rhs_scales)
         return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                                         preferred_element_type=out_dtype)
-    if chosen == "megablox":
-        return _megablox(lhs, rhs, group_sizes, out_dtype, interpret)
-    if chosen == "mosaic_gpu":
-        return _mosaic_gpu(lhs, rhs, group_sizes, out_dtype)
+    if chosen in ("megablox", "mosaic_gpu"):
+        return _shipped_kernel(chosen, out_dtype, interpret, lhs, rhs, group_sizes)
     if chosen == "pallas":
         return grouped_matmul(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                               preferred_element_type=out_dtype, variant="tpu" if platform == "tpu" else "gpu",

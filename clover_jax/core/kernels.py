@@ -88,9 +88,10 @@ class KernelChoice:
     not 64); the Pallas kernel keeps its own 64.
 
     expert_strategy: how the XLA routed experts run (`routed_expert_mlp`): "auto" (the expert loop,
-    fastest), "loop", or "dense" (every expert on every token). Training asks for "loop": over float
-    stacks the loop has a written-out backward pass (reverse-mode differentiation has no rule for
-    its data-dependent trip counts), computing only the routed pairs, as the forward does.
+    fastest), "loop", or "dense" (every expert on every token). Training (`for_training`) asks for
+    "loop": over float stacks the loop has a written-out backward pass (reverse-mode differentiation
+    has no rule for its data-dependent trip counts), computing only the routed pairs, as the forward
+    does — and on GPU and TPU it takes the grouped matmuls instead.
     """
 
     attention: str = "online_softmax"  # "online_softmax" | "dot_product_attention"
@@ -114,6 +115,15 @@ class KernelChoice:
     def interpret(self) -> bool:
         """Pallas kernels are interpreted where there is no Pallas compiler (the CPU)."""
         return interpret_for(self.platform, None)
+
+    def for_training(self) -> "KernelChoice":
+        """The choice a training pass runs. Its routed experts never take the dense every-expert
+        form: on GPU and TPU they are the grouped matmuls, whose backward is grouped matmuls too
+        (`pallas_kernels.grouped_matmul_backward`), whatever `moe` says; on CPU the expert loop
+        with its written-out backward, unless `moe="pallas"` asks for the grouped form (interpreted:
+        the tests compare the two)."""
+        moe = "pallas" if self.platform != "cpu" else self.moe
+        return dataclasses.replace(self, moe=moe, expert_strategy="loop")
 
     def gdn_rule(self, causal_rows: int) -> GDNRule:
         """The rule for a pass with `causal_rows` causal rows."""

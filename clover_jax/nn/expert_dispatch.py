@@ -9,6 +9,8 @@ Two implementations of one function, chosen by `KernelChoice.moe`:
   GPU and for quantised experts, interpret mode on CPU); experts that no pair uses get no work
   tiles, so their weights are never read — with the block coreset, a denoising step reads only
   the coreset's experts. Quantised experts stay quantised: the kernel dequantises each tile.
+  Differentiable through the grouped matmuls' own backward pass (what training runs on GPU and
+  TPU, `KernelChoice.for_training`).
 
 The XLA form loops over experts, not over pairs. The pairs are sorted by expert; an outer
 `while_loop` visits the experts that at least one pair uses (as many iterations as there are

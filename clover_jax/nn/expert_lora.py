@@ -8,13 +8,17 @@ factors' alike:
     gate|up = rows W_guᵀ + (rows A_guᵀ) B_guᵀ      rows: [pairs, hidden], sorted by expert
     out     = act W_downᵀ + (act A_downᵀ) B_downᵀ   act = silu(gate) * up
 
-There is no loop over experts, and `ragged_dot` has gradients for its rows and its weights, so
-reverse-mode differentiation goes straight through: the frozen stacks get no gradient (they are
-not differentiated), the factors get theirs, and the rows' gradient reaches the layers below. The
-same path serves a quantised base (QLoRA) with or without expert adapters: the expert loop over
-`QuantizedWeight`s has data-dependent trip counts, which reverse mode cannot go through. Here the
-stack is dequantised to the compute dtype for the step (on the accelerators a grouped kernel that
-reads int8/int4 tiles with its own backward would save that copy; not built yet).
+There is no loop over experts, and every grouped matmul has gradients for its rows and its float
+weights, so reverse-mode differentiation goes straight through: the frozen stacks get no gradient
+(they are not differentiated), the factors get theirs, and the rows' gradient reaches the layers
+below. The same path serves a quantised base (QLoRA) with or without expert adapters: the expert
+loop over `QuantizedWeight`s has data-dependent trip counts, which reverse mode cannot go through.
+
+Which grouped matmul: the pass's `ExpertRule`. "grouped" (GPU and TPU in training, or asked for on
+CPU, interpreted) takes the kernels of `pallas_kernels.grouped_matmul_for_platform`, which read a
+quantised base as stored and dequantise tile by tile in the forward and in the rows' gradient alike
+(the base is frozen, so it needs no weight gradient): no float copy of the stack exists. Otherwise
+(CPU) `jax.lax.ragged_dot`, after dequantising the stack to the compute dtype for the step.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from clover_jax.core.kernels import ExpertRule
 from clover_jax.core.quantization import QuantizedWeight, dequantize
 from clover_jax.nn.expert_dispatch import _pairs, expert_count, stacked
+from pallas_kernels.platforms import grouped_matmul_kernel
 
 
 class ExpertAdapters(NamedTuple):
@@ -41,28 +47,53 @@ class ExpertAdapters(NamedTuple):
 
 def adapted_expert_mlp(tokens: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
                        gate_up_proj: "jax.Array | QuantizedWeight", down_proj: "jax.Array | QuantizedWeight",
-                       adapters: ExpertAdapters) -> jax.Array:
+                       adapters: ExpertAdapters, rule: ExpertRule | None = None) -> jax.Array:
     """`routed_expert_mlp`'s result (tokens [tokens, hidden], expert_ids / expert_weights
     [tokens, top_k]; stacks [experts, out, in], float or quantised) with the adapters added to
-    each expert's two projections. returns [tokens, hidden] in the dtype of `tokens`."""
+    each expert's two projections. rule: the pass's (`KernelChoice.expert_rule`); "grouped" takes
+    the grouped-matmul kernels, anything else `jax.lax.ragged_dot`. returns [tokens, hidden] in
+    the dtype of `tokens`."""
     dtype = tokens.dtype
     gate_up_proj, down_proj = stacked(gate_up_proj), stacked(down_proj)
     num_experts = expert_count(gate_up_proj)
     pairs = _pairs(expert_ids, expert_weights, num_experts, dtype)
     sizes = pairs.group_sizes  # pairs of experts not held here sort last, past every group: their rows are 0
+    matmul = _grouped_matmul(rule, sizes) if rule is not None and rule.kernel == "grouped" else _ragged_matmul(sizes)
 
     def project(rows, weight, a, b):
-        # [pairs, in] x [experts, in, out] per group; the base in the compute dtype, the adapter in float32
-        out = jax.lax.ragged_dot(rows, jnp.swapaxes(dequantize(weight, dtype), 1, 2), sizes)
+        # [pairs, in] x [experts, out, in] per group; the base in the compute dtype, the adapter in float32
+        out = matmul(rows, weight, dtype)
         if a is None:
             return out
-        inner = jax.lax.ragged_dot(rows.astype(jnp.float32), jnp.swapaxes(a, 1, 2), sizes)   # [pairs, r]
-        return (out.astype(jnp.float32) + jax.lax.ragged_dot(inner, jnp.swapaxes(b, 1, 2), sizes)).astype(dtype)
+        inner = matmul(rows.astype(jnp.float32), a, jnp.float32)   # [pairs, r]
+        return (out.astype(jnp.float32) + matmul(inner, b, jnp.float32)).astype(dtype)
 
     rows = tokens[pairs.sorted_tokens]
     gate, up = jnp.split(project(rows, gate_up_proj, adapters.gate_up_a, adapters.gate_up_b), 2, axis=-1)
     pair_outputs = project(jax.nn.silu(gate) * up, down_proj, adapters.down_a, adapters.down_b)
     return jnp.zeros_like(tokens).at[pairs.sorted_tokens].add(pair_outputs * pairs.kept[:, None])
+
+
+def _ragged_matmul(sizes: jax.Array):
+    """XLA's grouped matmul; a quantised stack is dequantised whole to the compute dtype first."""
+    def matmul(rows, weight, dtype):
+        return jax.lax.ragged_dot(rows, jnp.swapaxes(dequantize(weight, dtype), 1, 2), sizes)
+    return matmul
+
+
+def _grouped_matmul(rule: ExpertRule, sizes: jax.Array):
+    """The grouped-matmul kernels of `rule` (and their backward): a quantised stack is read as
+    stored and dequantised tile by tile, for the output and for the rows' gradient alike, so no
+    float copy of it exists; float factors get their gradient from the transposed grouped matmul."""
+    from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
+
+    def matmul(rows, weight, dtype):
+        quantized = isinstance(weight, QuantizedWeight)
+        values, scales = (weight.values, weight.scales) if quantized else (weight, None)
+        kernel = "pallas" if rule.platform == "cpu" else grouped_matmul_kernel(rule.platform, "auto", False, quantized)
+        return grouped_matmul_for_platform(rule.platform, rows.astype(dtype), values, sizes, rhs_scales=scales,
+                                           preferred_element_type=dtype, kernel=kernel, interpret=rule.interpret)
+    return matmul
 
 
 def is_quantized(stack) -> bool:

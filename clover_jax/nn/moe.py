@@ -52,28 +52,35 @@ def expert_mlp(rule: ExpertRule, *args) -> jax.Array:
 
 
 def expert_parallel_mlp(rule: ExpertRule, mesh_sharding: MeshSharding, tokens: jax.Array, expert_ids: jax.Array,
-                        expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+                        expert_weights: jax.Array, gate_up_proj: jax.Array, down_proj: jax.Array,
+                        adapters: ExpertAdapters | None = None) -> jax.Array:
     """`expert_mlp` inside `shard_map` on the mesh_sharding's mesh (same arguments): each device runs the
     pairs routed to its own experts (the experts split over the expert axis, when it has more
-    than one device) and a psum over that axis adds the partial outputs."""
+    than one device) and a psum over that axis adds the partial outputs. With `adapters` (a LoRA /
+    QLoRA training pass) each device runs `adapted_expert_mlp` on its experts' stacks and factors."""
     expert_axis = mesh_sharding.rules.experts if mesh_sharding.axis_size(mesh_sharding.rules.experts) > 1 else None
     data_axis = mesh_sharding.rules.batch if mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1 else None
     rows, experts = PartitionSpec(data_axis, None), PartitionSpec(expert_axis, None, None)
     gate_up_proj, down_proj = stacked(gate_up_proj), stacked(down_proj)  # split over the expert axis as one stack
 
-    def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj):
+    def local(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, adapters):
+        def run(ids):
+            if adapters is None:
+                return expert_mlp(rule, tokens, ids, expert_weights, gate_up_proj, down_proj)
+            return adapted_expert_mlp(tokens, ids, expert_weights, gate_up_proj, down_proj, adapters, rule)
+
         if expert_axis is None:
-            return expert_mlp(rule, tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+            return run(expert_ids)
         num_local = gate_up_proj.shape[0]
         local_ids = expert_ids - jax.lax.axis_index(expert_axis) * num_local
         local_ids = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
-        partial = expert_mlp(rule, tokens, local_ids, expert_weights, gate_up_proj, down_proj)
-        return jax.lax.psum(partial, expert_axis)
+        return jax.lax.psum(run(local_ids), expert_axis)
 
     # check_vma=False: Pallas kernels (megablox gmm, ours) declare outputs without the varying-axes
     # annotation that shard_map's check requires, and would otherwise not lower inside it.
-    return jax.shard_map(local, mesh=mesh_sharding.mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
-                         check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj)
+    return jax.shard_map(local, mesh=mesh_sharding.mesh, in_specs=(rows, rows, rows, experts, experts, experts),
+                         out_specs=rows, check_vma=False)(tokens, expert_ids, expert_weights, gate_up_proj, down_proj,
+                                                          adapters)
 
 
 class RouterStats(NamedTuple):
@@ -175,8 +182,11 @@ class SparseMoE(nn.Module):
         adapters = self.expert_adapters()
         if adapters is not None or (training and is_quantized(gate_up_proj)):
             # A LoRA / QLoRA training pass: grouped matmuls that reverse mode differentiates (`expert_lora`).
-            routed = adapted_expert_mlp(tokens, *pairs, gate_up_proj, down_proj,
-                                        adapters or ExpertAdapters(None, None, None, None))
+            adapters = adapters or ExpertAdapters(None, None, None, None)
+            if rule.kernel == "grouped" and rule.per_device:  # Pallas custom calls run per device on a mesh
+                routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj, adapters)
+            else:
+                routed = adapted_expert_mlp(tokens, *pairs, gate_up_proj, down_proj, adapters, rule)
         elif rule.per_device:
             routed = expert_parallel_mlp(rule, mesh, tokens, *pairs, gate_up_proj, down_proj)
         else:

@@ -67,6 +67,48 @@ def cases(platform: str):
                    lambda lhs, rhs, sizes, active, *scales: grouped_matmul(
                        lhs, rhs, sizes, rhs_scales=scales[0] if scales else None, active_groups=active,
                        variant="tpu" if platform == "tpu" else "gpu", interpret=False), args)
+    yield from expert_backward_cases(platform)
+
+
+# ------------------------------------------------------------ the routed experts' backward pass
+BACKWARD_ROWS = TOKENS * TOP_K  # a training chunk of 2048 tokens
+
+
+def expert_backward_cases(platform: str):
+    """(name, function, abstract args) of the grouped matmul's backward at Clover-35B's expert
+    shapes, as a training pass differentiates `grouped_matmul_for_platform` (kernel "auto"): the
+    vjp of each matmul, given its output's cotangent — d lhs and d rhs for bfloat16 weights, d lhs
+    alone through int8 and int4 weights (a frozen QLoRA base)."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax.core.quantization import QuantSpec
+    from pallas_kernels import grouped_matmul_for_platform
+
+    spec = jax.ShapeDtypeStruct
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    for fmt in FORMATS:
+        quant = QuantSpec.parse(fmt)
+        # gate_up only, the larger of the two (each case costs ~10 s of compiling per target):
+        # the down projection's backward is the same kernels at other widths.
+        for name, (depth, cols) in [("gate_up", MATMULS["gate_up"])]:
+            lhs, d_out = spec((BACKWARD_ROWS, depth), bf16), spec((BACKWARD_ROWS, cols), bf16)
+            sizes = spec((EXPERTS,), i32)
+            if quant is None:
+                def backward(lhs, rhs, sizes, d_out):
+                    matmul = lambda lhs, rhs: grouped_matmul_for_platform(platform, lhs, rhs, sizes)
+                    return jax.vjp(matmul, lhs, rhs)[1](d_out)
+
+                args = (lhs, spec((EXPERTS, cols, depth), bf16), sizes, d_out)
+            else:
+                def backward(lhs, values, sizes, d_out, scales):
+                    matmul = lambda lhs: grouped_matmul_for_platform(platform, lhs, values, sizes, rhs_scales=scales)
+                    return jax.vjp(matmul, lhs)[1](d_out)
+
+                (values_shape, scales_shape), (values_dtype, scales_dtype) = (
+                    quant.stored_shapes((EXPERTS, cols, depth)), quant.stored_dtypes())
+                args = (lhs, spec(values_shape, values_dtype), sizes, d_out, spec(scales_shape, scales_dtype))
+            yield f"experts_backward/{fmt or 'bf16'}/{name}", backward, args
 
 
 # The training pass's GDN rule, differentiated: the clean stream of 2,048 tokens with the state

@@ -2,7 +2,9 @@
 Clover-35B-A3B's shapes and with the arguments the model passes: the GDN chunk scan (a prefill
 chunk and a block commit, and differentiated with its block states, as the training pass runs
 it), the routed experts' grouped matmul in bfloat16 (megablox on TPU), int8 and int4 (our
-kernel, dequantising tile by tile), and with `active_groups` (a coreset).
+kernel, dequantising tile by tile), and with `active_groups` (a coreset); and the grouped
+matmul's backward pass as training differentiates it (d lhs and d rhs for bfloat16 weights —
+megablox gmm/tgmm on TPU, our Triton kernels on the H200 — d lhs through int8 / int4).
 
 Deviceless ahead-of-time compilation runs the real compilers here (Mosaic's layout passes,
 Triton + ptxas), so a kernel that lowers but that the compiler refuses fails here — as Mosaic
@@ -46,6 +48,7 @@ def expected_cases() -> list[str]:
         for matmul in run.MATMULS:
             names += [f"experts/{fmt or 'bf16'}/{matmul}/{rows}" for rows in (run.TOKENS * run.TOP_K, 32 * run.TOP_K)]
             names.append(f"experts_active_groups/{fmt or 'bf16'}/{matmul}")
+        names.append(f"experts_backward/{fmt or 'bf16'}/gate_up")
     return [f"{target}/{name}" for target in run.TARGETS for name in names]
 
 
@@ -81,6 +84,8 @@ def test_the_kernel_compiles_for_the_target(compiled, case):
         tokens = int(name[2])
         assert result["out"] == [[[1, tokens, run.VALUE_HEADS, run.HEAD_DIM], "float32"],
                                  [[1, run.VALUE_HEADS, run.HEAD_DIM, run.HEAD_DIM], "float32"]]
+    elif name[1] == "experts_backward":
+        check_expert_backward(name[2], name[3], result)
     else:
         cols = run.MATMULS[name[3]][1]
         rows = int(name[4]) if name[1] == "experts" else 32 * run.TOP_K
@@ -89,3 +94,12 @@ def test_the_kernel_compiles_for_the_target(compiled, case):
         # copy of the weights exists among the program's temporaries.
         depth = run.MATMULS[name[3]][0]
         assert result["temp_bytes"] < run.EXPERTS * cols * depth * 2 // 16
+
+
+def check_expert_backward(fmt: str, matmul: str, result: dict) -> None:
+    """The vjp of one routed-expert matmul: d lhs, and for bfloat16 weights d rhs (a frozen quantised
+    base gets none); neither a transposed nor a dequantised copy of the stack among the temporaries."""
+    depth, cols = run.MATMULS[matmul]
+    d_lhs = [[run.BACKWARD_ROWS, depth], "bfloat16"]
+    assert result["out"] == ([d_lhs, [[run.EXPERTS, cols, depth], "bfloat16"]] if fmt == "bf16" else [d_lhs])
+    assert result["temp_bytes"] < run.EXPERTS * cols * depth * 2 // 16
