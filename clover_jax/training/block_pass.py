@@ -30,13 +30,14 @@ def differentiable(module: CloverTransformer) -> CloverTransformer:
     only the routed pairs (the "dense" form, every expert on every token, is differentiable too
     but costs experts/top_k times the FLOPs: measured 7.7x slower for the tiny models' 8 experts,
     top-2, on 2,048 tokens)."""
-    return module.clone(kernels=dataclasses.replace(module.kernels, expert_strategy="loop"))
+    # The Pallas GDN kernel and grouped matmuls have no backward pass yet: training runs XLA's rules.
+    return module.clone(kernels=dataclasses.replace(module.kernels, expert_strategy="loop", gdn="xla", moe="xla"))
 
 
-def training_module(module: CloverTransformer, remat: bool = False) -> CloverTransformer:
+def training_module(module: CloverTransformer, remat: str | bool = "none") -> CloverTransformer:
     """The module a training pass runs: differentiable experts, layer groups scanned over the
-    canonical (stacked) parameters, so compile time does not grow with depth; with `remat`, each
-    group recomputed in the backward pass instead of keeping its activations."""
+    canonical (stacked) parameters, so compile time does not grow with depth; `remat`
+    (`clover_jax.nn.model.REMAT`): what the backward pass recomputes instead of keeping."""
     return differentiable(module).clone(layer_loop="scan", remat=remat)
 
 
