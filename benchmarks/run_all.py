@@ -10,8 +10,9 @@ and QLoRA against full fine-tuning)
 forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
 load_orbax.py (the last two with their own defaults), roofline.py
 (arithmetic only), compile_targets.py (Clover-35B compiled for every named accelerator; about
-half an hour on 2 cores). A script that fails is reported in the document with its exit status and the
-tail of its stderr; the others still run.
+half an hour on 2 cores), train_compile.py (Clover-35B's train step compiled for the fine-tuning
+configurations of docs/training.md, "What fits where"). A script that fails is reported in the
+document with its exit status and the tail of its stderr; the others still run.
 
 Targets: each script lists its `checks` (a figure, its target, and, where the script can work it
 out, the best the figure can be on this machine from its measured bandwidth and matmul rate).
@@ -44,7 +45,7 @@ setup_environment()
 
 SCRIPTS = ["decoding", "serving", "soak", "training", "lora", "forward_cost", "expert_scaling", "context_scaling",
            "compile",
-           "moe_scaling", "load", "load_orbax", "roofline", "compile_targets"]
+           "moe_scaling", "load", "load_orbax", "roofline", "compile_targets", "train_compile"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}
 

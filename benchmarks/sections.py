@@ -287,6 +287,29 @@ def render_compile_targets(j: dict):
                    ["compile_targets", "worst absolute (estimate − compiler) / compiler", f(worst)]]
 
 
+def render_train_compile(j: dict):
+    gib = lambda n: f"{n / 2**30:.2f}"
+    lines = [f"{j['model']}: the whole train step (both streams, complementary copy on, block size 32; loss, "
+             "backward, AdamW) compiled from this CPU host by each target's compiler with abstract sharded "
+             "arguments, on the planner's mesh and remat. GiB per chip, from `memory_analysis()`; \"max tokens\": "
+             "the longest sequence tried whose step fits.", ""]
+    lines += table(["row", "target", "run", "batch x tokens", "mesh (d,e,t)", "remat", "arguments", "temporaries",
+                    "total", "of chip", "fits", "max tokens", "compile s"],
+                   [[r["row"], r["target"], r["run"], f"{r['batch']} x {r['seq_len']}",
+                     ",".join(str(v) for v in r["mesh"].values()), r["remat"], gib(r["argument_bytes"]),
+                     gib(r["temp_bytes"]), gib(r["total_bytes"]),
+                     "refused" if r["error"] else f"{100 * r['total_bytes'] / r['device_bytes']:.0f}%", f(r["fits"]),
+                     r["max_seq_len"] or "—", f(r["seconds"])] for r in j["rows"]])
+    refused = [f"- {r['row']}: {r['error']}" for r in j["rows"] if r["error"]]
+    if refused:
+        lines += ["Refused by the compiler:", ""] + refused + [""]
+    for entry in j["logits"]:
+        lines.append(f"- {entry['seq_len']} tokens: temporaries {gib(entry['temp_bytes'])} GiB; float32 logits of "
+                     f"every row of the three streams would be {gib(entry['streams_logits_bytes'])} GiB")
+    return lines + [""], [["train_compile", "rows that fit / compiled",
+                           f"{sum(1 for r in j['rows'] if r['fits'])} / {len(j['rows'])}"]]
+
+
 def render_training(j: dict):
     rows = []
     for name, run in j["runs"].items():
@@ -336,7 +359,8 @@ RENDER = {"decoding": render_decoding, "serving": render_serving, "training": re
           "forward_cost": render_forward_cost,
           "expert_scaling": render_expert_scaling, "context_scaling": render_context,
           "compile": render_compile, "moe_scaling": render_moe, "load": render_load, "load_orbax": render_load_orbax,
-          "roofline": render_roofline, "compile_targets": render_compile_targets}
+          "roofline": render_roofline, "compile_targets": render_compile_targets,
+          "train_compile": render_train_compile}
 TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive vs transformers "
                       "(`benchmarks/decoding.py`)",
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
@@ -352,4 +376,5 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
           "load": "Checkpoint load (`benchmarks/load.py`)",
           "load_orbax": "Safetensors vs Orbax load (`benchmarks/load_orbax.py`)",
           "compile_targets": "Clover-35B compiled for TPU and GPU targets (`benchmarks/compile_targets.py`)",
-          "roofline": "Roofline arithmetic (`benchmarks/roofline.py`)"}
+          "roofline": "Roofline arithmetic (`benchmarks/roofline.py`)",
+          "train_compile": "Clover-35B's train step compiled for TPU and GPU targets (`benchmarks/train_compile.py`)"}

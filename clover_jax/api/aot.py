@@ -160,7 +160,7 @@ def compiler_error(error: Exception) -> str:
     return lines[0][:1000] if lines else type(error).__name__
 
 
-def compile_in_subprocess(jobs: Sequence[CompileJob], timeout: float | None = None) -> list[dict[str, ProgramMemory]]:
+def compile_in_subprocess(jobs: Sequence[Any], timeout: float | None = None) -> list[dict[str, ProgramMemory]]:
     """`compile_job` for each job, in one fresh process that has the compilers on its path
     (`clover_jax.parallel.compilers`). Raises RuntimeError naming what is missing or what failed."""
     from clover_jax.parallel.compilers import compilers_dir, subprocess_environment
@@ -179,8 +179,14 @@ def compile_in_subprocess(jobs: Sequence[CompileJob], timeout: float | None = No
 def main() -> int:
     """Subprocess entry: a JSON list of jobs on stdin, a JSON list of results on the last stdout line."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    jobs = [CompileJob.from_json(raw) for raw in json.loads(sys.stdin.read())]
-    results = [{mode: dataclasses.asdict(memory) for mode, memory in compile_job(job).items()} for job in jobs]
+    from clover_jax.api.train_aot import TrainCompileJob, compile_train_job
+
+    results = []
+    for raw in json.loads(sys.stdin.read()):
+        # a job with "task": "train" is a train step's (`train_aot`); any other, the decoding loops'
+        compiled = (compile_train_job(TrainCompileJob.from_json(raw)) if raw.get("task") == "train"
+                    else compile_job(CompileJob.from_json(raw)))
+        results.append({mode: dataclasses.asdict(memory) for mode, memory in compiled.items()})
     print(json.dumps(results))
     return 0
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from clover_jax.api.aot import MODES, CompileJob, ProgramMemory, compile_in_subprocess
 from clover_jax.core.config import CloverConfig
@@ -26,13 +26,19 @@ from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.parallel.planner import GIB, HEADROOM, Option, Plan, decide, estimate, resolve_target
 from clover_jax.parallel.targets import Target
 
+if TYPE_CHECKING:
+    from clover_jax.training.config import FinetuneConfig
+
 logger = logging.getLogger(__name__)
+
+TASKS = ("decode", "train")
 
 
 def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Target | Sequence | None" = None, *,
          context_length: int = 32768, batch: int = 1, compile: bool = False, block_size: int = 32,
          chunk_size: int = 2048, revision: str | None = None, modes: Sequence[str] = MODES,
-         formats: Sequence[str] | None = None) -> Plan:
+         formats: Sequence[str] | None = None, task: str = "decode", config: "FinetuneConfig | None" = None,
+         seq_lens: Sequence[int] | None = None, remat_choices: Sequence[str] | None = None) -> Plan:
     """Bytes per device of every weight format on the mesh `target` allows, and the best that fits.
 
     path_or_config: a checkpoint directory, a Hub id (only its config.json is read) or a
@@ -45,9 +51,26 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Targ
         `python -m clover_jax.parallel.compilers install`; minutes per format at full size);
     formats: compile only these formats (as `Option.weights` names them, e.g. ["bfloat16",
         "int4 experts (g128)"]); the others keep the arithmetic's verdict and `compiled` None.
+    task: "decode" (the above), or "train": one fine-tuning run, `config` (a `FinetuneConfig`:
+        method, LoRA rank and targets, quantize, batch_size, seq_len, ...), on the planner's mesh;
+        with `compile`, its real train step is compiled for the target (`Option.compiled["train_step"]`)
+        with the first of `remat_choices` that fits, and `Option.max_seq_len` is the longest of
+        `seq_lens` whose step fits (`clover_jax.api.train_plan`); block_size is the run's.
     """
-    config = (path_or_config if isinstance(path_or_config, CloverConfig) else
-              CloverConfig.from_pretrained(resolve_checkpoint(path_or_config, revision, require=("config.json",))))
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {TASKS}")
+    model_config = (path_or_config if isinstance(path_or_config, CloverConfig) else
+                    CloverConfig.from_pretrained(resolve_checkpoint(path_or_config, revision,
+                                                                    require=("config.json",))))
+    if task == "train":
+        from clover_jax.api.train_plan import SEQ_LENS, train_plan
+        from clover_jax.training.config import FinetuneConfig
+
+        return train_plan(model_config, target, config or FinetuneConfig(), compile=compile, block_size=block_size,
+                          seq_lens=SEQ_LENS if seq_lens is None else seq_lens, remat_choices=remat_choices)
+    if config is not None:
+        raise ValueError("config (a FinetuneConfig) is for task='train'")
+    config = model_config
     arithmetic = estimate(config, target, context_length, batch, block_size, chunk_size)
     if not compile:
         return arithmetic

@@ -51,6 +51,10 @@ from clover_jax.nn.run_layout import unstack_groups
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
 
 LAYER_LOOPS = ("scan", "unrolled")
+# What a training pass's backward recomputes instead of keeping (docs/training.md, "Remat"): nothing;
+# each layer group from its input ("full"); each decoder layer from its input ("layer"); each
+# layer group, keeping the matmul outputs that have no batch dimension ("dots").
+REMAT = ("none", "full", "layer", "dots")
 
 
 def layer_loop_for(platform: str) -> str:
@@ -108,6 +112,7 @@ class LayerGroup(nn.Module):
     dtype: jnp.dtype = jnp.float32
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
+    remat_layers: bool = False  # recompute each decoder layer in the backward pass (`REMAT` "layer")
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, mode: PassMode, coreset_top_p):
@@ -115,9 +120,11 @@ class LayerGroup(nn.Module):
         group: this group's index. returns (the carry after the group, None)."""
         hidden, layers = carry
         layers = dict(layers)
+        # static_argnums counts `self`: 5 is `mode`
+        layer_module = nn.remat(DecoderLayer, static_argnums=(5,)) if self.remat_layers else DecoderLayer
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
-            layer = DecoderLayer(self.config, layer_type, self.dtype, self.kernels, self.mesh_sharding, name=name)
+            layer = layer_module(self.config, layer_type, self.dtype, self.kernels, self.mesh_sharding, name=name)
             hidden, layers[name] = layer(hidden, layers[name], group, rows, mode, coreset_top_p)
         return (hidden, layers), None
 
@@ -151,7 +158,7 @@ class CloverTransformer(nn.Module):
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
     layer_loop: str = "scan"
-    remat: bool = False  # recompute each layer group in the backward pass (training; scanned groups)
+    remat: str | bool = "none"  # what the backward pass recomputes (`REMAT`; training, scanned groups)
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState | None, num_causal: int | None = None,
@@ -201,10 +208,17 @@ class CloverTransformer(nn.Module):
             hidden, layers = carry
             sown = jax.tree_util.tree_map(lambda *per_group: jnp.stack(per_group), *sown) if collecting else None
         else:
-            group_module = nn.remat(LayerGroup, static_argnums=(4,)) if self.remat else LayerGroup
+            remat = {False: "none", True: "full"}.get(self.remat, self.remat)
+            if remat not in REMAT:
+                raise ValueError(f"remat={self.remat!r} is not one of {REMAT}")
+            group_module = LayerGroup
+            if remat in ("full", "dots"):
+                # static_argnums counts `self`: 4 is `mode`
+                policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
+                group_module = nn.remat(LayerGroup, static_argnums=(4,), policy=policy)
             groups = nn.scan(group_module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_groups)
-            (hidden, layers), _ = groups(*group_args, name="groups")(
+            (hidden, layers), _ = groups(*group_args, remat_layers=remat == "layer", name="groups")(
                 (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
             sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None
         hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])

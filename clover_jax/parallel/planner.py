@@ -66,6 +66,8 @@ class Option:
     quantize: QuantSpec | None = None  # what to pass as `CloverModel.from_pretrained(quantize=...)`
     rules: ShardingRules = ShardingRules()
     compiled: dict[str, Any] | None = None
+    remat: str | None = None          # a train step's (`FinetuneConfig.remat`), as the plan chose it
+    max_seq_len: int | None = None    # a train step's: the longest sequence the compiler fitted (of those tried)
 
     @property
     def total_bytes(self) -> int:
@@ -97,7 +99,12 @@ class Plan:
                     f"{option.state_bytes / GIB:>7.2f}GiB {option.total_bytes / GIB:>7.2f}GiB")
             if compiled:
                 line += f" {_compiled_cell(option):>10}"
-            lines.append(line + f" {'yes' if option.fits else 'no':>5}")
+            line += f" {'yes' if option.fits else 'no':>5}"
+            if option.remat is not None:
+                line += f"  remat {option.remat}"
+            if option.max_seq_len is not None:
+                line += f", fits up to {option.max_seq_len} tokens"
+            lines.append(line)
             errors: dict[str, list[str]] = {}
             for mode, memory in (option.compiled or {}).items():
                 if memory.error:

@@ -71,6 +71,7 @@ TARGETS: dict[str, Target] = {target.name: target for target in (
     _tpu("v6e-4", 4, "TPU v6 lite", _V6E, "v6e:2x2"),
     _tpu("v6e-8", 8, "TPU v6 lite", _V6E, "v6e:2x4"),
     _tpu("v5p-8", 4, "TPU v5", _V5P, "v5p:2x2x1"),  # v5p-8: 8 TensorCores, 4 chips (one device each)
+    _tpu("v5p-64", 32, "TPU v5", _V5P, "v5p:4x4x2"),  # v5p-64: 64 TensorCores, 32 chips
     _gpu("H100", 1, "NVIDIA H100 80GB HBM3", _H100, "h100.txtpb"),
     _gpu("H200", 1, "NVIDIA H200", _H200, "h200.txtpb"),
 )}

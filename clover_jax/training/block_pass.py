@@ -35,10 +35,10 @@ def differentiable(module: CloverTransformer) -> CloverTransformer:
     return module.clone(kernels=module.kernels.for_training())
 
 
-def training_module(module: CloverTransformer, remat: bool = False) -> CloverTransformer:
+def training_module(module: CloverTransformer, remat: str | bool = "none") -> CloverTransformer:
     """The module a training pass runs: differentiable experts, layer groups scanned over the
-    canonical (stacked) parameters, so compile time does not grow with depth; with `remat`, each
-    group recomputed in the backward pass instead of keeping its activations."""
+    canonical (stacked) parameters, so compile time does not grow with depth; `remat`
+    (`clover_jax.nn.model.REMAT`): what the backward pass recomputes instead of keeping."""
     return differentiable(module).clone(layer_loop="scan", remat=remat)
 
 

@@ -18,7 +18,7 @@ METHODS = ("full", "lora")
 LORA_TARGETS = ("attention", "gdn", "shared_expert", "routed_experts", "router")
 QUANTIZE = ("int8", "int4")
 PARAM_DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full")
+REMAT = ("none", "full", "layer", "dots")  # as clover_jax.nn.model.REMAT (docs/training.md, "Remat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +48,13 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
-    remat: str = "none"                       # "full": each layer group recomputed in the backward pass
+    remat: str = "none"                       # what the backward recomputes: "full" (layer groups), "layer", "dots"
     # LoRA (method="lora"; docs/training.md, "LoRA and QLoRA") and scale
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("attention", "gdn", "shared_expert", "routed_experts")
     quantize: str | None = None               # "int8" | "int4": the frozen base of a LoRA run (QLoRA)
-    mesh: Any = None
+    mesh: Any = None                          # (data, expert, tensor) device counts, or "D,E,T"; None: one device
     # data
     truncate: bool = False
     split_turns: bool = False
@@ -73,6 +73,7 @@ class FinetuneConfig:
         if self.block_size_weights is not None:
             object.__setattr__(self, "block_size_weights", tuple(float(w) for w in self.block_size_weights))
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        object.__setattr__(self, "mesh", _mesh_sizes(self.mesh))
         _check(self)
 
     # ------------------------------------------------------------------ resolved settings
@@ -99,6 +100,31 @@ class FinetuneConfig:
     @property
     def micro_batch(self) -> int:
         return self.batch_size // self.grad_accum_steps
+
+
+def _mesh_sizes(mesh: Any) -> tuple[int, int, int] | None:
+    """A mesh as (data, expert, tensor) device counts: from a tuple, a "D,E,T" string, or a
+    {"data", "expert", "tensor"} dict. Whether they match the devices is checked when training starts."""
+    if mesh is None:
+        return None
+    raw = mesh
+    if isinstance(mesh, str):
+        try:
+            mesh = tuple(int(part) for part in mesh.split(","))
+        except ValueError:
+            mesh = None
+    elif isinstance(mesh, dict):
+        mesh = tuple(mesh.get(axis, 1) for axis in ("data", "expert", "tensor")) if set(mesh) <= {
+            "data", "expert", "tensor"} else None
+    elif isinstance(mesh, Sequence):
+        mesh = tuple(mesh)
+    else:
+        mesh = None
+    if mesh is None or len(mesh) != 3 or not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1
+                                                for size in mesh):
+        raise FieldError("mesh", f"FinetuneConfig.mesh: must be three positive device counts (data, expert, tensor), "
+                         f"e.g. (2, 4, 1) or \"2,4,1\", got {raw!r}")
+    return mesh
 
 
 def _check(config: FinetuneConfig) -> None:
@@ -165,8 +191,11 @@ def _check(config: FinetuneConfig) -> None:
          f"must be one of {QUANTIZE} or None, got {config.quantize!r}")
     need(config.quantize is None or config.method == "lora", "quantize", "a quantised frozen base is for LoRA "
          "runs (QLoRA): set method='lora'", UNSUPPORTED)
-    need(config.mesh is None, "mesh", "the sharded train step is not built yet; train on one device",
-         UNSUPPORTED)
+    if config.mesh is not None:
+        data, expert, _ = config.mesh
+        need(config.micro_batch % (data * expert) == 0, "batch_size",
+             f"each micro-batch's {config.micro_batch} sequences (batch_size / grad_accum_steps) must divide over "
+             f"the mesh's data x expert = {data} x {expert} devices")
     need(config.generation_config is None or isinstance(config.generation_config, dict), "generation_config",
          f"must be a dict of generation_config.json fields, got {type(config.generation_config).__name__}",
          INVALID_TYPE)

@@ -111,15 +111,15 @@ class StepProgram:
         return lora_params.attach(frozen, master, self.lora)
 
 
-@functools.partial(jax.jit, static_argnames="program", donate_argnames="state")
-def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalisers, coreset_top_p: jax.Array,
-               frozen: Params | None = None, *, program: StepProgram) -> tuple[TrainState, dict]:
-    """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`. frozen: a
-    LoRA run's base parameters (`compute_base`), None otherwise."""
+def batch_gradients(params: Params, step: jax.Array, rows: TrainRows, key: jax.Array, norm: Normalisers,
+                    coreset_top_p: jax.Array, frozen: Params | None = None, *,
+                    program: StepProgram) -> tuple[Params, LossParts]:
+    """The gradient of the batch's loss in `params` (the state's: master or trainable part), and
+    the loss's parts summed over the micro-batches; the noise is step `step`'s."""
     split = lambda array: array.reshape((program.micro_batches, array.shape[0] // program.micro_batches)
                                         + array.shape[1:])
     micro_rows = jax.tree_util.tree_map(split, rows)
-    step_key = jax.random.fold_in(key, state.step)
+    step_key = jax.random.fold_in(key, step)
     settings = program.settings
 
     def micro(carry, inputs):
@@ -135,13 +135,22 @@ def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normali
                              coreset_top_p=coreset_top_p)
             return out.loss, out
 
-        (_, out), micro_grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        (_, out), micro_grads = jax.value_and_grad(loss, has_aux=True)(params)
         return (jax.tree_util.tree_map(jnp.add, grads, micro_grads),
                 jax.tree_util.tree_map(jnp.add, parts, out)), None
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     (grads, parts), _ = jax.lax.scan(micro, (zeros, empty_parts(program.module)),
                                      (jnp.arange(program.micro_batches), micro_rows))
+    return grads, parts
+
+
+def step_body(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalisers, coreset_top_p: jax.Array,
+              frozen: Params | None = None, *, program: StepProgram) -> tuple[TrainState, dict]:
+    """One optimizer step: `rows` ([batch, ...]) split into `program.micro_batches`. frozen: a
+    LoRA run's base parameters (`compute_base`), None otherwise. Jitted as `train_step` (one
+    device) or `sharded_train_step` (a mesh)."""
+    grads, parts = batch_gradients(state.params, state.step, rows, key, norm, coreset_top_p, frozen, program=program)
     updates, opt_state = make_optimizer(program.optimizer).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     load = parts.expert_load / program.micro_batches
@@ -156,6 +165,21 @@ def train_step(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normali
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
+train_step = jax.jit(step_body, static_argnames="program", donate_argnames="state")
+
+
+@functools.lru_cache(maxsize=16)
+def sharded_train_step(program: StepProgram, layout) -> Any:
+    """`step_body` jitted for a mesh: arguments and results pinned to `layout`'s shardings
+    (`clover_jax.training.train_sharding.TrainLayout`), the state donated. Called as
+    `train_step` is, without `program`."""
+    replicated = layout.replicated
+    metrics = replicated  # every metric is a scalar or [layers] vector, whole on every device
+    return jax.jit(functools.partial(step_body, program=program), donate_argnums=0,
+                   in_shardings=(layout.state, layout.rows, replicated, replicated, replicated, layout.frozen),
+                   out_shardings=(layout.state, metrics))
+
+
 def empty_parts(module: CloverTransformer) -> LossParts:
     """`LossParts` of zeros: scalars, and [layers, experts] for the expert load."""
     config = module.config
@@ -163,17 +187,19 @@ def empty_parts(module: CloverTransformer) -> LossParts:
     return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32))
 
 
-def compute_base(params: Params, dtype: str) -> Params:
-    """A LoRA run's frozen base in the compute dtype (quantised weights as they are), on the device."""
+def compute_base(params: Params, dtype: str, on_device: bool = True) -> Params:
+    """A LoRA run's frozen base in the compute dtype (quantised weights as they are), on the
+    device (`on_device`; else where it is, for `train_sharding.place` to spread over a mesh)."""
     cast = lambda leaf: leaf if isinstance(leaf, QuantizedWeight) else jnp.asarray(leaf, dtype)
     base = jax.tree_util.tree_map(cast, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
-    return jax.device_put(base, jax.devices()[0])
+    return jax.device_put(base, jax.devices()[0]) if on_device else base
 
 
-def init_state(optimizer: OptimizerSettings, params: Params) -> TrainState:
-    """A fresh state: float32 master copies of `params`, step 0."""
+def init_state(optimizer: OptimizerSettings, params: Params, on_device: bool = True) -> TrainState:
+    """A fresh state: float32 master copies of `params`, step 0 (on the first device with
+    `on_device`; else where it is, for `train_sharding.place`)."""
     master = jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf, jnp.float32), params)
     state = TrainState(jnp.int32(0), master, make_optimizer(optimizer).init(master))
     # Committed to the device as every step's output is: an uncommitted first state would make the
     # second step a second compiled program.
-    return jax.device_put(state, jax.devices()[0])
+    return jax.device_put(state, jax.devices()[0]) if on_device else state

@@ -29,7 +29,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
-from clover_jax.training import adapter_io, checkpointing, conversion, lora, peft_export
+from clover_jax.core.errors import FieldError
+from clover_jax.training import adapter_io, checkpointing, conversion, lora, peft_export, train_sharding
 from clover_jax.training.block_pass import training_module
 from clover_jax.training.config import FinetuneConfig
 from clover_jax.training.data import read_examples
@@ -44,6 +45,7 @@ from clover_jax.training.step import (
     compute_base,
     init_state,
     normalisers,
+    sharded_train_step,
     train_step,
 )
 
@@ -72,6 +74,7 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
     from clover_jax.api.tokenization import Tokenizer
 
     config = config or FinetuneConfig()
+    mesh = training_mesh(config)
     if not isinstance(model, CloverModel):
         model = CloverModel.from_pretrained(model, progress=progress, quantize=config.quantize)
     elif config.quantize is not None:
@@ -99,26 +102,35 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
     params = model.params
     if target.grown_vocab:
         params = conversion.grow_vocabulary(params, model.config, target.grown_vocab)
-    module = training_module(model.module.clone(config=target.config), remat=config.remat == "full")
+    mesh_sharding = None if mesh is None else training_mesh_sharding(mesh, target.config)
+    module = training_module(model.module.clone(config=target.config, mesh_sharding=mesh_sharding), remat=config.remat)
     compute_dtype = config.param_dtype or str(model.dtype)
     spec, frozen, trained = None, None, params
     if config.method == "lora":
         spec = lora.LoraSpec(config.lora_rank, float(config.lora_alpha), config.lora_targets, target.mask_token_id,
                              target.config.tie_word_embeddings)
         trained = lora.init_trainable(params, target.config, spec, jax.random.key(config.seed))
-        frozen = compute_base(params, compute_dtype)
+        frozen = compute_base(params, compute_dtype, on_device=mesh is None)
         logger.info("LoRA: %d trainable parameters (%s)", lora.parameter_count(trained), ", ".join(config.lora_targets))
     programs = {size: _program(config, module, _loss_settings(config, target.config, size), compute_dtype, spec)
                 for size in sizes}
+    state = init_state(OptimizerSettings.of(config), trained, on_device=mesh is None)
+    layout = None
+    if mesh_sharding is not None:
+        example_rows = _example_rows(packings[sizes[0]], config, sizes[0])
+        layout = train_sharding.train_layout(mesh_sharding, state, example_rows, frozen)
+        state = train_sharding.place(state, layout.state)
+        frozen = None if frozen is None else train_sharding.place(frozen, layout.frozen)
+        logger.info("training on the mesh %s", dict(mesh.shape))
     batches = BatchIterator(packings, block_sizes=sizes, weights=weights, batch_size=config.batch_size,
                             seed=config.seed, max_noisy_blocks=config.max_noisy_blocks)
     evaluation = None
     if held_out is not None:
         evaluation = functools.partial(_evaluate, program=programs[sizes[0]], held_out=held_out, config=config,
                                        top_p=target.config.moe_block_coreset_top_p, frozen=frozen)
-    state, history = _train(init_state(OptimizerSettings.of(config), trained), batches, programs, config=config,
-                            top_p=target.config.moe_block_coreset_top_p, evaluation=evaluation, on_metrics=on_metrics,
-                            progress=progress, frozen=frozen)
+    state, history = _train(state, batches, programs, config=config, top_p=target.config.moe_block_coreset_top_p,
+                            evaluation=evaluation, on_metrics=on_metrics, progress=progress, frozen=frozen,
+                            layout=layout)
     out = os.fspath(out)
     if spec is None:
         _write(out, model, state.params, target, compute_dtype)
@@ -141,7 +153,7 @@ def next_token_training(model, data, *, config: FinetuneConfig, progress: bool =
     packed = _packed(examples, config, size, eos[0])
     settings = _loss_settings(config, model.config, size)._replace(mask_token_id=None, load_balance_weight=float(
         config.load_balance_weight))
-    program = _program(config, training_module(model.module, remat=config.remat == "full"), settings,
+    program = _program(config, training_module(model.module, remat=config.remat), settings,
                        str(model.dtype))
     batches = BatchIterator({size: packed}, block_sizes=(size,), weights=(1.0,), batch_size=config.batch_size,
                             seed=config.seed, max_noisy_blocks=None, noisy=False)
@@ -151,9 +163,10 @@ def next_token_training(model, data, *, config: FinetuneConfig, progress: bool =
 
 
 def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneConfig, top_p: float, evaluation,
-           on_metrics, progress: bool, frozen=None):
+           on_metrics, progress: bool, frozen=None, layout: train_sharding.TrainLayout | None = None):
     """The loop: steps from the state's (or the latest checkpoint's) to `config.steps`; returns the
-    final state and the logged metrics. frozen: a LoRA run's base (its fingerprint is checked on resume)."""
+    final state and the logged metrics. frozen: a LoRA run's base (its fingerprint is checked on
+    resume); layout: the shardings of a run on a mesh (`train_sharding`), None on one device."""
     history: list[dict] = []
     saver = None
     if config.checkpoint_dir:
@@ -163,6 +176,13 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
         state, batches.position, history = saver.restore_latest(state, batches.position, history)
     key = jax.random.key(config.seed)
     top_p = jnp.float32(top_p)
+    step_function = lambda program: functools.partial(train_step, program=program)
+    if layout is not None:
+        state = jax.device_put(state, layout.state)
+        replicated = layout.replicated
+        key = jax.jit(lambda: jax.random.key(config.seed), out_shardings=replicated)()
+        top_p = train_sharding.place(np.float32(top_p), replicated)
+        step_function = lambda program: sharded_train_step(program, layout)
     started = time.perf_counter()
     tokens_seen = 0
     try:
@@ -171,8 +191,11 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
             for step in range(int(state.step), config.steps):
                 batch = batches.next()
                 norm = normalisers(batch.rows, batch.block_size)
-                state, metrics = train_step(state, batch.rows, key, norm, top_p, frozen,
-                                            program=programs[batch.block_size])
+                rows = batch.rows
+                if layout is not None:
+                    rows = train_sharding.place(rows, layout.rows)
+                    norm = train_sharding.place(norm, type(norm)(layout.replicated, layout.replicated))
+                state, metrics = step_function(programs[batch.block_size])(state, rows, key, norm, top_p, frozen)
                 checkpointing.fault_point("step", step + 1)
                 tokens_seen += int(np.sum(batch.rows.segment > 0))
                 done = step + 1
@@ -206,6 +229,38 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
 
 
 # ---------------------------------------------------------------------- before the loop
+def training_mesh(config: FinetuneConfig):
+    """The (data, expert, tensor) mesh of `config.mesh` over all devices of the run, or None;
+    FieldError when the sizes do not multiply to the device count."""
+    from clover_jax.parallel.sharding import make_mesh
+
+    if config.mesh is None:
+        return None
+    try:
+        return make_mesh(*config.mesh)
+    except ValueError as error:
+        raise FieldError("mesh", f"FinetuneConfig.mesh={config.mesh}: {error}") from None
+
+
+def training_mesh_sharding(mesh, model_config):
+    """The rules a train step runs under on `mesh` (the planner's inference rules; FSDP is the
+    layout's, `train_sharding`); FieldError when the experts do not divide over the expert axis."""
+    from clover_jax.parallel.planner import inference_rules
+    from clover_jax.parallel.sharding import MeshSharding
+
+    try:
+        return MeshSharding(mesh, model_config, inference_rules(dict(mesh.shape)))
+    except ValueError as error:
+        raise FieldError("mesh", f"FinetuneConfig.mesh: {error}") from None
+
+
+def _example_rows(packed: PackedRows, config: FinetuneConfig, block_size: int):
+    """One batch's `TrainRows` shapes (the layout needs only their ranks)."""
+    rows = BatchIterator({block_size: packed}, block_sizes=(block_size,), weights=(1.0,),
+                         batch_size=config.batch_size, seed=config.seed, max_noisy_blocks=config.max_noisy_blocks)
+    return rows.next().rows
+
+
 def _data_directory(config: FinetuneConfig) -> str | None:
     """Where tokenised data is kept: the run's checkpoint directory, else the cache directory."""
     if config.checkpoint_dir:
@@ -272,7 +327,7 @@ def _write(out: str, model, master: dict, target: conversion.Target, dtype: str)
     from weights.writer import save_params
 
     os.makedirs(out, exist_ok=True)
-    params = jax.tree_util.tree_map(lambda leaf: np.asarray(jax.device_get(leaf)), master)
+    params = _on_host(master)
     pad = {"pad_token_id": target.generation_config.get("pad_token_id")} if "pad_token_id" in \
         target.generation_config else {}
     save_params(params, target.config, out, dtype=dtype, extra_config=pad)
@@ -285,7 +340,7 @@ def _write_lora(out: str, model, base: dict, trainable: dict, spec: lora.LoraSpe
                 dtype: str, *, quantized: str | None) -> None:
     """A LoRA run's outputs: the adapter (in `out/adapter`; QLoRA: in `out`, the only output), PEFT's
     layout of it for a Qwen3.5-MoE base (`out/peft`), and over a float base the merged checkpoint in `out`."""
-    trainable = jax.device_get(trainable)
+    trainable = _on_host(trainable)
     adapter_dir = out if quantized else os.path.join(out, "adapter")
     adapter_io.save_adapter(adapter_dir, trainable, spec, base_config=model.config, target=target,
                             tokenizer_source=model.path)
@@ -293,6 +348,18 @@ def _write_lora(out: str, model, base: dict, trainable: dict, spec: lora.LoraSpe
                                   base_name=model.path)
     if quantized is None:
         _write(out, model, lora.merge(base, trainable, spec), target, dtype)
+
+
+def _on_host(tree):
+    """A pytree of (possibly sharded, possibly multi-process) arrays as NumPy arrays on this host."""
+    from jax.experimental import multihost_utils
+
+    def one(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return np.asarray(jax.device_get(leaf))
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def _write_metrics(out: str, history: list[dict]) -> None:

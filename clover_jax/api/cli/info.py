@@ -43,10 +43,25 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError("--revision applies to a Hub id given as MODEL")
     from clover_jax.api.plan import plan as make_plan
 
-    result = make_plan(args.model or BUNDLED_MODEL, args.target, context_length=args.context_length,
-                       batch=args.batch, compile=args.compile, revision=args.revision)
+    if args.task == "train":
+        result = make_plan(args.model or BUNDLED_MODEL, args.target, task="train", config=_finetune_config(args),
+                           compile=args.compile, revision=args.revision, block_size=args.block_size,
+                           remat_choices=None if args.remat is None else (args.remat,))
+    else:
+        result = make_plan(args.model or BUNDLED_MODEL, args.target, context_length=args.context_length,
+                           batch=args.batch, compile=args.compile, revision=args.revision)
     print(json.dumps(plan_record(result)) if args.json else result)
     return 0
+
+
+def _finetune_config(args: argparse.Namespace):
+    """The `FinetuneConfig` of `plan --task train`'s flags (a bad value: a FieldError naming it)."""
+    from clover_jax.training.config import FinetuneConfig
+
+    return FinetuneConfig(method=args.method, lora_rank=args.lora_rank, quantize=args.quantize,
+                          lora_targets=tuple(name.strip() for name in args.lora_targets.split(",") if name.strip()),
+                          batch_size=args.batch, seq_len=args.seq_len, block_size=args.block_size,
+                          remat=args.remat or "none")
 
 
 def plan_record(result) -> dict[str, Any]:
@@ -56,6 +71,8 @@ def plan_record(result) -> dict[str, Any]:
         record = {"weights": option.weights, "quantize": None if option.quantize is None else option.quantize.name,
                   "mesh": option.mesh, "weight_bytes": option.weight_bytes, "state_bytes": option.state_bytes,
                   "estimate_bytes": option.total_bytes, "device_bytes": option.device_bytes, "fits": option.fits}
+        if option.remat is not None:  # a train step's
+            record.update(remat=option.remat, max_seq_len=option.max_seq_len)
         if option.compiled is not None:
             record["compiled"] = {mode: {**dataclasses.asdict(memory), "total_bytes": memory.total_bytes}
                                   for mode, memory in option.compiled.items()}

@@ -145,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int_arg, default=1, metavar="N", help="sequences decoded together (default 1)")
     plan.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--task", choices=("decode", "train"), default="decode",
+                      help="decode (the default) or train: one fine-tuning run of --batch sequences of --seq-len "
+                           "tokens; with --compile its train step is compiled for the target (docs/training.md)")
+    trained = plan.add_argument_group("--task train")
+    trained.add_argument("--method", choices=("full", "lora"), default="lora", help="(default lora)")
+    trained.add_argument("--lora-rank", type=int_arg, default=16, metavar="R", help="(default 16)")
+    trained.add_argument("--lora-targets", default="attention,gdn,shared_expert,routed_experts", metavar="A,B,...",
+                         help="(default attention,gdn,shared_expert,routed_experts)")
+    trained.add_argument("--quantize", choices=("int8", "int4"), default=None, help="a quantised frozen base (QLoRA)")
+    trained.add_argument("--seq-len", type=int_arg, default=4096, metavar="TOKENS",
+                         help="clean tokens per sequence (default 4096)")
+    trained.add_argument("--block-size", type=int_arg, default=32, metavar="B", help="(default 32)")
+    trained.add_argument("--remat", default=None, metavar="CHOICE",
+                         help="none, full, layer or dots (default: the planner's choice)")
     plan.set_defaults(run=run_plan)
     train.add_parser(commands)
     return parser

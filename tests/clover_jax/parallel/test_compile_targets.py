@@ -29,7 +29,7 @@ SMALL = dict(
 
 
 def test_the_named_targets_are_the_machines_users_have():
-    assert list(TARGETS) == ["v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "H100", "H200"]
+    assert list(TARGETS) == ["v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v5p-64", "H100", "H200"]
     assert (target("v6e-1").platform, target("v6e-1").chips, target("v6e-1").topology) == ("tpu", 1, "v6e:2x2")
     assert target("v5e-8").topology == "v5e:2x4"
     eight = target("H200x8")

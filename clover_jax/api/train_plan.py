@@ -1,0 +1,160 @@
+"""`clover_jax.plan(..., task="train")`: will a fine-tuning run fit a target — by arithmetic, and on
+request by the target's own compiler compiling the real train step (docs/compiling.md, docs/training.md).
+
+    plan = clover_jax.plan(model, "v6e-1", task="train", compile=True,
+                           config=FinetuneConfig(method="lora", quantize="int4", batch_size=1, seq_len=2048))
+    option = plan.recommendation
+    option.compiled["train_step"]   # ProgramMemory per chip: arguments, temporaries, outputs, aliased
+    option.mesh, option.remat       # the planner's choices
+    option.max_seq_len              # the longest sequence (of `seq_lens`) whose step still fits
+
+The mesh: the batch's sequences split over as many chips as divide them (data x expert), the
+experts over up to 8 of those (`train_mesh`), the rest of the chips over the tensor axis. Remat:
+the first of `remat_choices` whose step fits (the config's own when `FinetuneConfig.remat` is not
+"none"). Without `compile`, the arithmetic counts what is exact — parameters, gradients and
+AdamW's moments per chip — and no activations: only the compiler's figure decides a train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from clover_jax.api.aot import ProgramMemory, compile_in_subprocess
+from clover_jax.api.train_aot import TRAIN_PROGRAM, TrainCompileJob
+from clover_jax.core.config import CloverConfig
+from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.quantization import QuantSpec
+from clover_jax.parallel.planner import (
+    GIB,
+    HEADROOM,
+    Option,
+    Plan,
+    inference_rules,
+    resolve_target,
+    weight_bytes_per_device,
+)
+from clover_jax.parallel.sharding import MESH_AXES, MeshSharding
+from clover_jax.training.config import FinetuneConfig
+
+logger = logging.getLogger(__name__)
+
+REMAT_CHOICES = ("none", "full")  # tried in this order: keep activations when they fit, else recompute groups
+SEQ_LENS = (4096, 8192, 16384, 32768)
+MAX_EXPERT_AXIS = 8  # the psum dispatch moves [rows, hidden] over the expert axis per MoE layer: keep it short
+
+
+def train_mesh(config: CloverConfig, chips: int, finetune: FinetuneConfig) -> dict:
+    """The planner's training mesh: data x expert = the chips that divide each micro-batch's
+    sequences; expert = the largest of those (up to 8) that divides the experts; tensor = the rest."""
+    split = math.gcd(finetune.micro_batch, chips)
+    expert = max(d for d in range(1, min(split, MAX_EXPERT_AXIS) + 1)
+                 if split % d == 0 and config.num_experts % d == 0)
+    return {"data": split // expert, "expert": expert, "tensor": chips // split}
+
+
+def describe_run(finetune: FinetuneConfig) -> str:
+    if finetune.method == "full":
+        return f"full {finetune.param_dtype or 'bfloat16'} + f32 AdamW"
+    base = f"{finetune.quantize} base" if finetune.quantize else f"{finetune.param_dtype or 'bfloat16'} base"
+    experts = "+experts" if "routed_experts" in finetune.lora_targets else ""
+    return f"{'q' if finetune.quantize else ''}lora r{finetune.lora_rank}{experts} {base}"
+
+
+def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compile: bool = False, block_size: int = 32,
+               seq_lens: Sequence[int] = SEQ_LENS, remat_choices: Sequence[str] | None = None) -> Plan:
+    """The plan of one fine-tuning run on `target`: one option (the run on the planner's mesh),
+    with the compiler's verdict when `compile` (see the module docstring)."""
+    named, chips, device_bytes, where = resolve_target(target)
+    mesh = train_mesh(config, chips, finetune)
+    rules = inference_rules(mesh)
+    mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES), config, rules)
+    weights, state = _arithmetic(config, finetune, mesh_sharding, mesh)
+    quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
+    option = Option(describe_run(finetune), dict(mesh), weights, state, device_bytes,
+                    weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat)
+    if compile:
+        if named is None:
+            raise ValueError("compile=True needs a named target (e.g. 'v6e-1', 'H200'); a device list has no compiler")
+        option = _compiled(option, config, named.name, finetune, block_size, seq_lens, remat_choices)
+    return _decide(option, where, finetune)
+
+
+def _arithmetic(config: CloverConfig, finetune: FinetuneConfig, mesh_sharding: MeshSharding,
+                mesh: dict) -> tuple[int, int]:
+    """(weights the step reads per chip, trained state per chip): the base in the compute dtype
+    (LoRA) or the float32 master (full); gradients + AdamW's two moments of what is trained."""
+    data = mesh["data"]
+    dtype = finetune.param_dtype or "bfloat16"
+    if finetune.method == "full":
+        master = weight_bytes_per_device(config, "float32", None, mesh_sharding) // data
+        return master, 3 * master
+    quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
+    base = weight_bytes_per_device(config, dtype, quantize, mesh_sharding) // data
+    trained = _lora_parameters(config, finetune) * 4 // (data * mesh["expert"])
+    return base, 4 * trained
+
+
+def _lora_parameters(config: CloverConfig, finetune: FinetuneConfig) -> int:
+    """Adapter parameters of the run (the block-mode tensors and mask rows are a rounding error)."""
+    from clover_jax.training import lora
+
+    layout = flat_layout(config)
+    total = 0
+    for path in lora.adapted_paths(config, finetune.lora_targets):
+        *lead, out, inputs = layout[path]
+        total += int(np.prod(lead, dtype=np.int64)) * finetune.lora_rank * (out + inputs)
+    return total
+
+
+def _compiled(option: Option, config: CloverConfig, target_name: str, finetune: FinetuneConfig, block_size: int,
+              seq_lens: Sequence[int], remat_choices: Sequence[str] | None) -> Option:
+    """The option with the compiler's verdict: the step at `finetune.seq_len` with the first remat
+    that fits, then longer sequences (`seq_lens` above it, shortest first, until one does not fit)."""
+    if remat_choices is None:
+        remat_choices = (finetune.remat,) if finetune.remat != "none" else REMAT_CHOICES
+
+    def compile_at(remat: str, seq_len: int) -> ProgramMemory:
+        run = dataclasses.replace(finetune, remat=remat, seq_len=seq_len, mesh=None, block_size=block_size)
+        fields = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)}
+        job = TrainCompileJob(dataclasses.asdict(config), target_name, fields, option.mesh,
+                              dataclasses.asdict(option.rules), block_size)
+        logger.info("compiling the train step (%s, remat %s, %d tokens) for %s", option.weights, remat, seq_len,
+                    target_name)
+        return compile_in_subprocess([job])[0][TRAIN_PROGRAM]
+
+    fits = lambda memory: memory.error is None and memory.total_bytes <= HEADROOM * option.device_bytes
+    memory, remat = None, remat_choices[0]
+    for remat in remat_choices:
+        memory = compile_at(remat, finetune.seq_len)
+        if fits(memory):
+            break
+    longest = finetune.seq_len if fits(memory) else None
+    if longest is not None:
+        for seq_len in sorted(length for length in seq_lens if length > finetune.seq_len):
+            if not fits(compile_at(remat_choices[-1], seq_len)):
+                break
+            longest = seq_len
+    return dataclasses.replace(option, fits=fits(memory), compiled={TRAIN_PROGRAM: memory}, remat=remat,
+                               max_seq_len=longest)
+
+
+def _decide(option: Option, where: str, finetune: FinetuneConfig) -> Plan:
+    run = f"{finetune.batch_size} x {finetune.seq_len} tokens"
+    mesh = ",".join(str(option.mesh[axis]) for axis in MESH_AXES)
+    if option.compiled is None:
+        verdict = (f"{(option.weight_bytes + option.state_bytes) / GIB:.1f} GiB of parameters and optimizer state "
+                   f"per chip estimated (activations not counted: compile=True asks the compiler)")
+    else:
+        memory = option.compiled[TRAIN_PROGRAM]
+        verdict = (f"the compiler refused it: {memory.error}" if memory.error else
+                   f"{memory.total_bytes / GIB:.1f} GiB of {option.device_bytes / GIB:.1f} GiB per chip by the "
+                   f"compiler (remat {option.remat})")
+    reason = f"{option.weights}, {run}, on {where}, mesh (d,e,t) {mesh}: {verdict}"
+    return Plan([option], option if option.fits else None, reason + ("" if option.fits else "; it does not fit"),
+                where)
