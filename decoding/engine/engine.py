@@ -129,6 +129,11 @@ class Engine:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 1 <= max_context <= limit:
             raise ValueError(f"max_context must be an integer in [1, {limit}] (max_position_embeddings), "
                              f"got {max_context!r}")
+        mesh_sharding = getattr(model, "mesh_sharding", None)
+        if mesh_sharding is not None and mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1:
+            # a request's staging state holds one sequence, which a data axis cannot split
+            raise ValueError(f"the engine runs on a mesh whose data axis is 1 (its lanes are not split over a batch "
+                             f"axis), got {dict(mesh_sharding.mesh.shape)}; put the devices on expert and tensor")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
         self.prefill_budget = prefill_budget or model.chunk_size
         # every request's defaults, with the special token ids the checkpoint gives them
