@@ -133,6 +133,38 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
     return kinds
 
 
+def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_running: int, max_context: int,
+                     chunk_size: int, sample: bool = True) -> dict[str, int]:
+    """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
+    (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
+    without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
+    sizes - 1 of each per bucket: one request joining each size, a burst filling each), prefill
+    chunks (first and later chunks; shared by lane kinds of one unit) and empty staging states."""
+    from decoding.engine.engine import UNIT
+
+    sizes = len(lane_sizes(max_running))
+    counts = {"steps": 0, "joins": 0, "resizes": 0}
+    prefills, staging = set(), set()
+    for mode in dict.fromkeys(Mode(mode) for mode in modes):
+        decoder = strategy(mode)
+        for block in (sorted(set(block_sizes)) if decoder.decodes_blocks else [None]):
+            unit = block if decoder.whole_blocks else UNIT
+            caps = buckets(max_context + (0 if decoder.whole_blocks else UNIT))
+            variants = (2 if decoder.whole_blocks else 1) * (2 if sample and mode != Mode.SELF_SPECULATIVE else 1)
+            counts["steps"] += len(caps) * sizes * variants
+            counts["joins"] += len(caps) * (2 * sizes - 1)
+            counts["resizes"] += len(caps) * (2 * sizes - 1)
+            staging.update(caps)
+            chunk = max(unit, chunk_size // unit * unit)
+            for capacity in caps:
+                for size in chunk_sizes(unit, chunk):
+                    prefills.update({(size, capacity, "first")} if size < capacity else set())
+                    prefills.update({(size, capacity, "later")} if unit + size < capacity else set())
+    counts.update(prefills=len(prefills), staging=len(staging))
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 @contextlib.contextmanager
 def on_demand(engine, what: str, lane=None):
     """Around engine work after `precompile`: log the programs it compiled (`what`, and the lane's

@@ -4,7 +4,7 @@ tests/decoding/test_engine_mesh.py in a fresh process (the device count is fixed
     python engine_mesh_run.py CHECKPOINT OUT.json --mesh 1,4,2
 
 Writes {"mesh": ..., "requests": [{"mode", "engine": tokens, "generate": tokens, "nfe": [engine,
-generate], "error"}], "joined_mid_flight": bool}. The first request
+generate], "error"}], "joined_mid_flight": bool, "auto": the mesh `--target auto` picks here}. The first request
 runs alone until its first block is out; the others join it then, so they join a lane mid-flight.
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
     import jax
 
     from clover_jax import CloverModel
-    from clover_jax.api.placement import Placement, parse_mesh
+    from clover_jax.api.placement import Placement, parse_mesh, resolve_placement
     from decoding import generate
     from decoding.engine import Engine, EngineRequest
 
@@ -58,8 +58,6 @@ def main() -> None:
             first["finish"], first["nfe"] = event.finish, event.stats.nfe
             finished.set()
 
-    import time
-    t0 = time.time()
     with Engine(model, config, max_running=4) as engine:
         engine.submit(requests[0], listen)
         first_out.wait(600)
@@ -68,14 +66,13 @@ def main() -> None:
         finished.wait(600)
     results = [{"tokens": first["tokens"], "nfe": first["nfe"], "error": None}] + \
               [{"tokens": r.tokens, "nfe": r.stats.nfe, "error": r.error} for r in later]
-    print("engine", time.time() - t0, flush=True)
-    record = {"mesh": shape, "joined_mid_flight": joined_mid_flight, "requests": []}
+    auto = resolve_placement(model.config, quantize=None, mesh=None, target="auto", context_length=256, batch=4)
+    record = {"mesh": shape, "joined_mid_flight": joined_mid_flight, "requests": [], "auto": auto.mesh_shape}
     for request, result in zip(requests, results, strict=True):
         alone = generate(model, [list(request.prompt)], config, key=jax.random.key(request.seed), mode=request.mode,
                          **request.overrides)
         record["requests"].append({"mode": request.mode, "engine": result["tokens"], "generate": alone.sequences[0],
                                    "nfe": [result["nfe"], alone.nfe[0]], "error": result["error"]})
-        print(request.mode, time.time() - t0, flush=True)
     with open(args.out, "w") as handle:
         json.dump(record, handle)
 

@@ -22,6 +22,7 @@ def test_the_engine_on_a_mesh_equals_generate_on_it(small_clover_checkpoint, tmp
     record = json.loads(out.read_text())
     assert record["mesh"] == {"data": 1, "expert": 4, "tensor": 2}
     assert record["joined_mid_flight"]
+    assert record["auto"] == {"data": 1, "expert": 8, "tensor": 1}  # the plan's: 8 experts over 8 devices
     assert [one["mode"] for one in record["requests"]] == engine_mesh_run.MODES
     for one in record["requests"]:
         assert one["error"] is None

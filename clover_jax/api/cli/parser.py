@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections served at once, the arriving one counted; 503 beyond (default 1024)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
+    serve.add_argument("--precompile", action="store_true",
+                       help="before the port opens, compile every mode at every --block-sizes for every batch up to "
+                            "--max-running and cache size up to --max-context, so that no request waits on a "
+                            "compile (logs the program count and time; docs/serving.md)")
     serve.set_defaults(run=run_serve)
     plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
                                             "with --compile)",

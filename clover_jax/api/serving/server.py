@@ -2,6 +2,7 @@
 
     clover-jax serve --model DIR_OR_HUB_ID --port 8000            # the command line (clover_jax.api.cli)
     service = build_service("path/to/checkpoint", max_running=16)  # from Python
+    precompile(service)                                            # optional: no request waits on a compile
     with ServerThread(create_app(service), port=8000): ...         # in this process, in a thread
 """
 
@@ -66,6 +67,14 @@ def warm_up(service: Service) -> float:
     ids = service.tokenizer.encode("Hello", add_special_tokens=False) or [0]
     service.engine.run([EngineRequest(ids, overrides={"max_new_tokens": 1})])
     return time.perf_counter() - started
+
+
+def precompile(service: Service, *, sample: bool = True):
+    """Compile, before the port opens, the programs of every mode at the served block sizes for
+    every lane size up to `max_running` and cache bucket up to the engine's context
+    (`Engine.precompile`); returns its `Precompiled` (program count, seconds). Requests outside
+    that set compile on demand, logged with their shape."""
+    return service.engine.precompile(block_sizes=service.block_sizes, sample=sample)
 
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
