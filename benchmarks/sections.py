@@ -110,6 +110,19 @@ def render_serving(j: dict):
                         for method, v in result["results"].items()])
         summary.append(["serving", f"{model}: tokens/s at concurrency 16 / generate one at a time",
                         f(result["ratios"]["concurrency_16_over_one_at_a_time"])])
+        if "concurrency_16_over_ceiling" in result["ratios"]:
+            summary.append(["serving", f"{model}: that gain / the forward's batching ceiling",
+                            f(result["ratios"]["concurrency_16_over_ceiling"])])
+    burst = j.get("first_burst")
+    if burst:
+        lines += [f"**First burst after precompile** (bundled model, a fresh process with an empty compilation cache, "
+                  f"{burst['burst']} concurrent requests, max_context {burst['max_context']}): "
+                  f"{burst['precompiled_programs']} programs precompiled in {f(burst['precompile_seconds'])} s "
+                  f"({burst['precompiled_set']}); first burst {f(burst['first_burst_s'])} s, later bursts "
+                  f"{', '.join(f(t) for t in burst['later_bursts_s'])} s, the same requests one by one "
+                  f"{f(burst['one_by_one_s'])} s; {burst['compiled_on_demand_total']} programs compiled on demand.", ""]
+        summary += [["serving", "first burst after precompile / a later burst", f(burst["first_over_later"])],
+                    ["serving", "first burst after precompile / one by one", f(burst["first_over_one_by_one"])]]
     return lines, summary
 
 

@@ -7,7 +7,9 @@
 
 or from the shell: `clover-jax-lm-eval --model clover-jax --model_args pretrained=PATH,... --tasks gsm8k`
 (lm-eval's own command line, with this model registered). model_args: `pretrained` (a checkpoint
-directory), `dtype`, `quantize`, `impl`; every `GenerationConfig` field (`block_size`, `threshold`,
+directory), `dtype`, `quantize`, `impl`, `mesh` (DATA.EXPERT.TENSOR or DATAxEXPERTxTENSOR with DATA 1,
+since lm-eval splits model_args on commas), `target=auto` (the format and mesh `clover_jax.plan`
+recommends for this machine); every `GenerationConfig` field (`block_size`, `threshold`,
 `max_new_tokens`, `schedule`, penalties, ...); `schedule.<name>` for a parameter of the schedule;
 `enable_thinking` (chat template variable) and `think_end_token` (the response is the text after
 its last occurrence; default `</think>` when the tokenizer has it, `none` keeps the thinking);
@@ -38,7 +40,8 @@ from decoding.research import padded_batches
 
 logger = logging.getLogger(__name__)
 
-MODEL_OPTIONS = ("dtype", "quantize", "impl")
+MODEL_OPTIONS = ("dtype", "quantize", "impl", "mesh", "target")
+PLAN_CONTEXT = 32768  # positions --target auto budgets for (at most the model's context)
 SCHEDULE_PREFIX = "schedule."
 NO_LIKELIHOOD = ("clover-jax serves generate_until requests only: a block-diffusion LM has no exact "
                  "log-likelihood here, so {kind} tasks (multiple choice, perplexity) cannot be scored; "
@@ -75,7 +78,8 @@ class CloverLM(LM):
                         device)
         self.config = GenerationConfig.from_pretrained(pretrained, **options)
         self.tokenizer = Tokenizer.from_pretrained(pretrained)
-        self.model = CloverModel.from_pretrained(pretrained, progress=False, **load)
+        self.model = CloverModel.from_pretrained(pretrained, progress=False, **_placed(pretrained, load,
+                                                                                      self.batch_size))
         self.pretrained = str(pretrained)
         self.enable_thinking = enable_thinking
         if think_end_token is None and self.tokenizer.token_to_id("</think>") is not None:
@@ -153,6 +157,22 @@ class CloverLM(LM):
         if chat_template is False or chat_template is None:
             return None
         return self.tokenizer.get_chat_template(None if chat_template is True else chat_template)
+
+
+def _placed(pretrained: str, load: dict, batch: int) -> dict:
+    """The load options with `quantize`, `mesh` ("DATA.EXPERT.TENSOR": lm-eval's model_args split on
+    commas) and `target=auto` resolved (`clover_jax.api.placement`) into from_pretrained's arguments."""
+    from clover_jax.api.placement import resolve_placement
+    from clover_jax.core.config import CloverConfig
+
+    mesh = load.pop("mesh", None)
+    mesh = mesh.replace(".", ",").replace("x", ",") if isinstance(mesh, str) else mesh
+    config = CloverConfig.from_pretrained(pretrained)
+    placement = resolve_placement(config, quantize=load.pop("quantize", None), mesh=mesh,
+                                  target=load.pop("target", None), batch=batch,
+                                  context_length=min(PLAN_CONTEXT, config.max_position_embeddings))
+    logger.info("clover-jax: %s (%s)", placement.describe(), placement.reason)
+    return {**load, **placement.load_options()}
 
 
 def _batch_size(value: int | str | None) -> int:

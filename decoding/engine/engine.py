@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
+from decoding.engine import precompile as precompiling
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
 from decoding.engine.requests import (
     EngineEvent,
@@ -129,6 +130,11 @@ class Engine:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 1 <= max_context <= limit:
             raise ValueError(f"max_context must be an integer in [1, {limit}] (max_position_embeddings), "
                              f"got {max_context!r}")
+        mesh_sharding = getattr(model, "mesh_sharding", None)
+        if mesh_sharding is not None and mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1:
+            # a request's staging state holds one sequence, which a data axis cannot split
+            raise ValueError(f"the engine runs on a mesh whose data axis is 1 (its lanes are not split over a batch "
+                             f"axis), got {dict(mesh_sharding.mesh.shape)}; put the devices on expert and tensor")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
         self.prefill_budget = prefill_budget or model.chunk_size
         # every request's defaults, with the special token ids the checkpoint gives them
@@ -153,6 +159,8 @@ class Engine:
         self._numbers = itertools.count()
         self._closed = False
         self.steps = 0                                             # lane steps run
+        self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
+        self.compiled_on_demand = 0                                 # programs compiled after it (logged)
         self.finished: collections.Counter = collections.Counter()  # requests ended, by finish reason
         self._thread = threading.Thread(target=self._loop, name="clover-jax-engine", daemon=True)
         self._thread.start()
@@ -188,6 +196,19 @@ class Engine:
                 raise FieldError(name, f"{name} is the engine's ({getattr(self.defaults, name)!r}) for every request, "
                                  f"got {getattr(prepared.config, name)!r}", code=UNSUPPORTED)
         return prepared
+
+    def precompile(self, modes: Sequence[str] | None = None, block_sizes: Sequence[int] | None = None, *,
+                   sample: bool = True) -> "precompiling.Precompiled":
+        """Compile, before serving, the programs of `modes` (default: every mode) at `block_sizes`
+        (default: the engine's block size) for every lane size and cache bucket
+        (`decoding.engine.precompile`); call it on an idle engine. Afterwards every program compiled
+        for a request is logged with its shape. sample: also the sampled variants of the steps."""
+        from decoding.modes import MODES
+
+        self.precompiled = precompiling.precompile(self, modes=modes or MODES,
+                                                   block_sizes=block_sizes or [self.defaults.block_size],
+                                                   sample=sample)
+        return self.precompiled
 
     def queued(self) -> int:
         with self._lock:
@@ -315,8 +336,10 @@ class Engine:
                 if job.sizes:
                     size = job.sizes.pop(0)
                     chunk = job.ids[:, job.done_rows:job.done_rows + size]
-                    job.last_logits, job.staging = prefill_chunk(self.context.passes, self.context.params, chunk,
-                                                                 job.staging)
+                    with precompiling.on_demand(self, f"prefill chunk of {size} tokens on a staging state of "
+                                                      f"{job.staging.capacity} rows ({job.lane})"):
+                        job.last_logits, job.staging = prefill_chunk(self.context.passes, self.context.params, chunk,
+                                                                     job.staging)
                     job.done_rows += size
                     budget -= size
                 if not job.sizes:
@@ -333,7 +356,9 @@ class Engine:
         """Join prefilled requests into their lane in one write; if that fails, each alone (so
         only a request whose own join fails is failed)."""
         try:
-            self._lane(key).add([(job.tracked, job.staging, job.last_logits) for job in jobs])
+            lane = self._lane(key)
+            with precompiling.on_demand(self, f"{len(jobs)} request(s) joining {key} of {lane.live} live", lane):
+                lane.add([(job.tracked, job.staging, job.last_logits) for job in jobs])
         except Exception as error:
             if len(jobs) > 1:
                 for job in jobs:
@@ -360,8 +385,9 @@ class Engine:
             if not lane.live:
                 continue
             try:
-                lane.fit()
-                outcomes = lane.step()
+                with precompiling.on_demand(self, f"step of {key}", lane):
+                    lane.fit()
+                    outcomes = lane.step()
             except Exception as error:
                 logger.exception("a step of lane %s failed; failing its %d requests", key, lane.live)
                 held = lane.requests()

@@ -43,16 +43,28 @@ def resolve_model_dir(model: str | None, revision: str | None = None, quiet: boo
 
 
 def check_model_format(args) -> None:
-    """--quantize and --adapter, checked before anything loads: a known format, an adapter directory."""
-    from clover_jax.core.quantization import QuantSpec
+    """--quantize, --adapter, --mesh and --target, checked before anything loads: a known format, an
+    adapter directory, a mesh of this machine's devices, auto alone (`clover_jax.api.placement`)."""
+    from clover_jax.api.placement import check_placement
 
-    if args.quantize is not None:
-        try:
-            QuantSpec.parse(args.quantize)
-        except ValueError as error:
-            raise UsageError(f"--quantize: {error}") from None
     if args.adapter is not None and not Path(args.adapter).expanduser().is_dir():
         raise UsageError(f"--adapter {args.adapter!r} is not a directory (a LoRA run's adapter directory)")
+    try:
+        check_placement(quantize=args.quantize, mesh=args.mesh, target=args.target, adapter=args.adapter)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def resolve_placement(config, args, *, context_length: int, batch: int):
+    """The weight format and mesh of --quantize / --mesh / --target (`clover_jax.api.placement`);
+    --target auto's "nothing fits" as a CliError."""
+    from clover_jax.api import placement
+
+    try:
+        return placement.resolve_placement(config, quantize=args.quantize, mesh=args.mesh, target=args.target,
+                                           context_length=context_length, batch=batch)
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def is_hub_snapshot(model: str | None) -> bool:

@@ -16,6 +16,7 @@ from clover_jax.api.cli.common import (
     config_record,
     is_hub_snapshot,
     resolve_model_dir,
+    resolve_placement,
     short,
 )
 from clover_jax.api.cli.flags import FALLBACK_MAX_NEW_TOKENS, explain, flag_name, generation_overrides
@@ -52,14 +53,17 @@ def run_generate(args: argparse.Namespace) -> int:
                        f"{generation.max_new_tokens}: {rule} = {needed} positions "
                        f"exceed the model's context of {context} tokens (max_position_embeddings)")
 
-    status.say(f"loading {args.model or short(path)} ...")
+    placement = resolve_placement(config, args, context_length=needed, batch=1)
+    if args.target:
+        status.say(f"--target {args.target}: {placement.reason}")
+    status.say(f"loading {args.model or short(path)} ({placement.describe()}) ...")
     started = time.perf_counter()
     import jax
 
     from clover_jax import CloverModel
     from decoding import generate
 
-    formats = dict(dtype=args.dtype, progress=not status.quiet, quantize=args.quantize, adapter=args.adapter)
+    formats = dict(dtype=args.dtype, progress=not status.quiet, adapter=args.adapter, **placement.load_options())
     if is_hub_snapshot(args.model):  # the weights of the commit the config and tokenizer came from
         model = CloverModel.from_pretrained(args.model, revision=path.name, **formats)
     else:

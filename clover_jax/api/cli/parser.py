@@ -23,13 +23,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_model_format_flags(command: argparse.ArgumentParser) -> None:
-    """--quantize and --adapter: how the weights are held, for `generate` and `serve`."""
+    """--quantize, --adapter, --mesh and --target: how and where the weights are held, for `generate` and `serve`."""
     command.add_argument("--quantize", default=None, metavar="FORMAT",
                          help="weight-only quantisation while loading: int8, int4, int4-g<group>, with +dense to "
                               "quantise the dense weights too (docs/quantization.md; default: none)")
     command.add_argument("--adapter", default=None, metavar="DIR",
                          help="a LoRA adapter directory written by a LoRA or QLoRA run of `clover-jax train`, "
                               "merged into --model (its base) while loading (docs/training.md)")
+    command.add_argument("--mesh", default=None, metavar="DATA,EXPERT,TENSOR",
+                         help="split the weights over this machine's devices: a mesh whose sizes multiply to the "
+                              "device count, DATA 1 (e.g. 1,8,1: experts over 8 chips; docs/parallelism.md; "
+                              "default: one device)")
+    command.add_argument("--target", default=None, choices=("auto",),
+                         help="auto: the weight format and mesh `clover-jax plan` recommends for this machine's "
+                              "devices (by arithmetic; logged); not with --quantize or --mesh")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections served at once, the arriving one counted; 503 beyond (default 1024)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
+    serve.add_argument("--precompile", action="store_true",
+                       help="before the port opens, compile every mode at every --block-sizes for every batch up to "
+                            "--max-running and cache size up to --max-context, so that no request waits on a "
+                            "compile (logs the program count and time; docs/serving.md)")
     serve.set_defaults(run=run_serve)
     plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
                                             "with --compile)",

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from clover_jax.api.cli.common import BUNDLED_MODEL, UsageError, check_model_format, is_hub_snapshot, resolve_model_dir
+from clover_jax.api.cli.common import (
+    BUNDLED_MODEL,
+    UsageError,
+    check_model_format,
+    is_hub_snapshot,
+    resolve_model_dir,
+    resolve_placement,
+)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -31,15 +38,26 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--block-sizes must be integers >= 1, got {args.block_sizes!r}")
     path = resolve_model_dir(args.model, args.revision)
     name = args.served_model_name or args.model or BUNDLED_MODEL.name
-    print(f"clover-jax serve: loading {name} ...", file=sys.stderr)
-    from clover_jax.api.serving.server import build_service, serve, warm_up
+    from clover_jax.core.config import CloverConfig
+
+    config = CloverConfig.from_pretrained(path)
+    placement = resolve_placement(config, args, context_length=args.max_context or config.max_position_embeddings,
+                                  batch=args.max_running)
+    if args.target:
+        print(f"clover-jax serve: --target {args.target}: {placement.reason}", file=sys.stderr)
+    print(f"clover-jax serve: loading {name} ({placement.describe()}) ...", file=sys.stderr)
+    from clover_jax.api.serving.server import build_service, precompile, serve, warm_up
 
     model = args.model if is_hub_snapshot(args.model) else path
     service = build_service(str(model), name=name, max_running=args.max_running, max_queue=args.max_queue,
                             max_context=args.max_context, block_sizes=sizes, dtype=args.dtype,
                             revision=args.revision if is_hub_snapshot(args.model) else None,
-                            quantize=args.quantize, adapter=args.adapter)
-    if not args.no_warmup:
+                            quantize=placement.quantize, adapter=args.adapter, mesh=placement.mesh_shape)
+    if args.precompile:
+        done = precompile(service)
+        print(f"clover-jax serve: precompiled {done.programs} programs in {done.seconds:.1f} s ({done.covers})",
+              file=sys.stderr)
+    elif not args.no_warmup:
         print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
     print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
           f"running, {args.max_queue} queued){'; API key required' if args.api_key else ''}", file=sys.stderr)

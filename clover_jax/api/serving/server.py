@@ -2,6 +2,7 @@
 
     clover-jax serve --model DIR_OR_HUB_ID --port 8000            # the command line (clover_jax.api.cli)
     service = build_service("path/to/checkpoint", max_running=16)  # from Python
+    precompile(service)                                            # optional: no request waits on a compile
     with ServerThread(create_app(service), port=8000): ...         # in this process, in a thread
 """
 
@@ -28,20 +29,30 @@ DEFAULT_MAX_CONNECTIONS = 1024
 def build_service(path: str, *, name: str | None = None, max_running: int = 8, max_queue: int = 64,
                   max_context: int | None = None, block_sizes: tuple[int, ...] | None = None, dtype=None,
                   revision: str | None = None, progress: bool = False, quantize: str | None = None,
-                  adapter: str | None = None) -> Service:
+                  adapter: str | None = None, mesh=None, target: str | None = None) -> Service:
     """Load the checkpoint (a directory or a Hub id) and start its engine.
 
     name: the model's name in the API (default: `path` as given); block_sizes: the block sizes a
     request may ask for (default: the checkpoint's, 16, 32 and 64); quantize: weight-only
     quantisation while loading ("int8", "int4", ...); adapter: a LoRA adapter directory for the
-    checkpoint (merged while loading; its tokenizer and generation config are the model's)."""
+    checkpoint (merged while loading; its tokenizer and generation config are the model's);
+    mesh: "DATA,EXPERT,TENSOR" (or three sizes) over this process's devices, DATA 1; target:
+    "auto", the format and mesh `clover_jax.plan` recommends for these devices at `max_context`
+    positions and `max_running` sequences (`clover_jax.api.placement`; not with quantize or mesh)."""
     from clover_jax.api.clover_model import CloverModel
+    from clover_jax.api.placement import resolve_placement
     from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.core.config import CloverConfig
+    from clover_jax.core.hub import resolve_checkpoint
     from decoding.engine import Engine
 
+    config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
+    placement = resolve_placement(config, quantize=quantize, mesh=mesh, target=target, batch=max_running,
+                                  context_length=max_context or config.max_position_embeddings)
+    logger.info("loading %s: %s", path, placement.describe())
     tokenizer = Tokenizer.from_pretrained(adapter) if adapter else Tokenizer.from_pretrained(path, revision=revision)
-    model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, quantize=quantize,
-                                        adapter=adapter)
+    model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, adapter=adapter,
+                                        **placement.load_options())
     engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context)
     sizes = tuple(block_sizes) if block_sizes else tuple(sorted({engine.defaults.block_size, *DEFAULT_BLOCK_SIZES}))
     return Service(model, tokenizer, engine, name or str(path), sizes)
@@ -56,6 +67,14 @@ def warm_up(service: Service) -> float:
     ids = service.tokenizer.encode("Hello", add_special_tokens=False) or [0]
     service.engine.run([EngineRequest(ids, overrides={"max_new_tokens": 1})])
     return time.perf_counter() - started
+
+
+def precompile(service: Service, *, sample: bool = True):
+    """Compile, before the port opens, the programs of every mode at the served block sizes for
+    every lane size up to `max_running` and cache bucket up to the engine's context
+    (`Engine.precompile`); returns its `Precompiled` (program count, seconds). Requests outside
+    that set compile on demand, logged with their shape."""
+    return service.engine.precompile(block_sizes=service.block_sizes, sample=sample)
 
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

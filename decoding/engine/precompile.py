@@ -1,0 +1,303 @@
+"""Compiling the serving engine's programs before any request waits on them.
+
+The set (`Engine.precompile`): for every served mode and allowed block size (step cap equal to the
+block size), every cache bucket up to the engine's context (`slots.capacity_bucket`: 64, 128, ...,
+`max_context`) and every lane size up to `max_running` (1, 2, 4, ...):
+
+* the prefill chunks (`slots.prefill_chunk`: `unit` times a power of two, up to the model's chunk)
+  on a staging state of each bucket, and the empty staging states — compiled by running them once
+  on zeros;
+* the lane programs — the step (greedy and sampled where the mode samples; a diffusion step with
+  and without a block's commit), the join (`put_slots`) and the resize (`take_slots`) — compiled by
+  warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
+  bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane),
+  then bursts of 1, 2, 4, ... requests arriving together. Each warm-up request is cancelled once
+  its lane has stepped (a diffusion request once its first block is out and committed).
+
+Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
+program on demand; the engine logs every program compiled after `precompile` with its shape.
+`compiled_programs()` counts the engine's programs (each jitted function's executable cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from decoding.engine import autoregressive_lane, diffusion_lane, slots, speculative_lane
+from decoding.engine.lanes import new_staging, prefix_length
+from decoding.engine.requests import EngineRequest, LaneKey, rows_needed
+from decoding.modes import Mode, strategy
+
+logger = logging.getLogger(__name__)
+
+PROGRAMS = (diffusion_lane.diffusion_step, autoregressive_lane.autoregressive_step, speculative_lane.speculative_step,
+            slots.put_slots, slots.take_slots, slots.prefill_chunk, slots.empty_staging)
+
+
+def compiled_programs() -> int:
+    """Programs the engine's jitted functions hold in this process (every shape of each)."""
+    return sum(program._cache_size() for program in PROGRAMS)
+
+
+@dataclasses.dataclass
+class Precompiled:
+    """What `Engine.precompile` compiled: `programs` (new executables), `seconds`, and the set in
+    words (`covers`)."""
+
+    programs: int
+    seconds: float
+    covers: str
+
+
+def buckets(limit: int, smallest: int = 64) -> list[int]:
+    """The cache rows a lane of at most `limit` rows per slot may hold (`slots.capacity_bucket`)."""
+    sizes, size = [], smallest
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+def lane_sizes(max_running: int) -> list[int]:
+    """Lane sizes: powers of two below `max_running`, and `max_running` (`lanes._power_of_two`, capped)."""
+    sizes, size = [], 1
+    while size < max_running:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_running]
+
+
+def chunk_sizes(unit: int, chunk: int) -> list[int]:
+    """Prefill chunk lengths `slots.chunk_plan` may cut: `unit` times a power of two up to `chunk`, and `chunk`."""
+    top = max(unit, chunk // unit * unit)
+    sizes, size = [], unit
+    while size < top:
+        sizes.append(size)
+        size *= 2
+    return sizes + [top]
+
+
+def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], sample: bool = True,
+               timeout: float = 3600.0) -> Precompiled:
+    """See the module docstring; `engine` is idle (nothing submitted yet)."""
+    started, before = time.perf_counter(), compiled_programs()
+    warm = _warm_up_engine(engine)
+    try:
+        kinds = _compile(warm, modes=modes, block_sizes=block_sizes, sample=sample, timeout=timeout)
+    finally:
+        warm.close()
+    programs, seconds = compiled_programs() - before, time.perf_counter() - started
+    covers = (f"{', '.join(f'{m}' + (f' B={b}' if b else '') for m, b in kinds)}; lanes of "
+              f"{lane_sizes(engine.max_running)} slots; cache buckets {buckets(engine.max_context)}")
+    logger.info("precompiled %d programs in %.1f s (%s)", programs, seconds, covers)
+    return Precompiled(programs, seconds, covers)
+
+
+def _warm_up_engine(engine):
+    """An engine of the same model, shapes and limits whose end-of-response ids are the mask token
+    (which no step ever writes: its logit is -inf), so that warm-up requests run until they are
+    cancelled. Its programs are the engine's: they take the token ids as arguments of equal shape."""
+    from decoding.engine.engine import Engine
+
+    defaults = engine.defaults
+    config = defaults.replace(eos_token_id=(defaults.mask_token_id,) * len(defaults.eos_token_id))
+    return Engine(engine.model, config, max_running=engine.max_running, max_queue=engine.max_running,
+                  max_context=engine.max_context, prefill_budget=engine.prefill_budget)
+
+
+def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
+    kinds = []
+    for mode in dict.fromkeys(Mode(mode) for mode in modes):
+        decoder = strategy(mode)
+        for block in (sorted(set(block_sizes)) if decoder.decodes_blocks else [None]):
+            kinds.append((mode, block))
+    for mode, block in kinds:
+        key = LaneKey(mode, block, block if strategy(mode).whole_blocks else None)
+        _prefills(warm, key)
+        samples = (False, True) if sample and strategy(mode).mode != Mode.SELF_SPECULATIVE else (False,)
+        for capacity in buckets(warm._capacity(key)):
+            traffic = _Traffic(warm, key, capacity, timeout)
+            if not traffic.possible:
+                continue
+            traffic.one_by_one()
+            for lanes in lane_sizes(warm.max_running):
+                for sampled in samples:
+                    traffic.burst(lanes, sampled)
+    return kinds
+
+
+def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_running: int, max_context: int,
+                     chunk_size: int, sample: bool = True) -> dict[str, int]:
+    """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
+    (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
+    without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
+    sizes - 1 of each per bucket: one request joining each size, a burst filling each), prefill
+    chunks (first and later chunks; shared by lane kinds of one unit) and empty staging states."""
+    from decoding.engine.engine import UNIT
+
+    sizes = len(lane_sizes(max_running))
+    counts = {"steps": 0, "joins": 0, "resizes": 0}
+    prefills, staging = set(), set()
+    for mode in dict.fromkeys(Mode(mode) for mode in modes):
+        decoder = strategy(mode)
+        for block in (sorted(set(block_sizes)) if decoder.decodes_blocks else [None]):
+            unit = block if decoder.whole_blocks else UNIT
+            caps = buckets(max_context + (0 if decoder.whole_blocks else UNIT))
+            variants = (2 if decoder.whole_blocks else 1) * (2 if sample and mode != Mode.SELF_SPECULATIVE else 1)
+            counts["steps"] += len(caps) * sizes * variants
+            counts["joins"] += len(caps) * (2 * sizes - 1)
+            counts["resizes"] += len(caps) * (2 * sizes - 1)
+            staging.update(caps)
+            chunk = max(unit, chunk_size // unit * unit)
+            for capacity in caps:
+                for size in chunk_sizes(unit, chunk):
+                    prefills.update({(size, capacity, "first")} if size < capacity else set())
+                    prefills.update({(size, capacity, "later")} if unit + size < capacity else set())
+    counts.update(prefills=len(prefills), staging=len(staging))
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+@contextlib.contextmanager
+def on_demand(engine, what: str, lane=None):
+    """Around engine work after `precompile`: log the programs it compiled (`what`, and the lane's
+    shape after it) and count them in `engine.compiled_on_demand`."""
+    if engine.precompiled is None:
+        yield
+        return
+    before, started = compiled_programs(), time.perf_counter()
+    yield
+    new = compiled_programs() - before
+    if new:
+        engine.compiled_on_demand += new
+        logger.warning("compiled %d program(s) on demand in %.1f s, outside the precompiled set: %s", new,
+                       time.perf_counter() - started,
+                       what if lane is None else f"{what}, lane of {lane.size} slots x {lane.capacity} rows")
+
+
+def _unit(key: LaneKey) -> int:
+    """The prefill unit of a lane kind (the engine's `_admit`)."""
+    from decoding.engine.engine import UNIT
+
+    return key.block_size if strategy(key.mode).whole_blocks else UNIT
+
+
+def _prefills(engine, key: LaneKey) -> None:
+    """Every prefill chunk on a staging state of every bucket it fits, run once on zeros."""
+
+    unit = _unit(key)
+    chunk = max(unit, engine.model.chunk_size // unit * unit)
+    def run(state, size):
+        return slots.prefill_chunk(engine.context.passes, engine.context.params, np.zeros((1, size), np.int32),
+                                   state)[1]
+
+    for capacity in buckets(engine._capacity(key)):
+        for size in chunk_sizes(unit, chunk):
+            if size < capacity:  # a prompt's first chunk on a fresh state, a later one on a prefilled state
+                run(new_staging(engine.context, capacity, 0), size)
+            if unit + size < capacity:
+                run(run(new_staging(engine.context, capacity, 0), unit), size)
+
+
+class _Traffic:
+    """Warm-up requests of one lane kind whose cache rows fall in one bucket."""
+
+    def __init__(self, engine, key: LaneKey, capacity: int, timeout: float):
+        self.engine, self.key, self.capacity, self.timeout = engine, key, capacity, timeout
+        self.unit = _unit(key)
+        self.plain = _plain_tokens(engine)
+        self.prompt = [self.plain[0]] * (self.unit + 1)
+        self.max_new_tokens = self._fill(capacity)
+        self.possible = self.max_new_tokens is not None
+
+    def _fill(self, capacity: int) -> int | None:
+        """The largest max_new_tokens whose rows land in `capacity`'s bucket (None: none does)."""
+        lane_rows = self.engine._capacity(self.key)
+        low, high, best = 1, capacity, None
+        while low <= high:
+            middle = (low + high) // 2
+            rows = self._rows(middle)
+            if rows is not None and rows <= min(capacity, lane_rows):
+                best, low = middle, middle + 1
+            else:
+                high = middle - 1
+        if best is None or slots.capacity_bucket(self._rows(best), lane_rows) != capacity:
+            return None
+        return best
+
+    def _rows(self, max_new_tokens: int) -> int | None:
+        try:
+            prepared = self.engine.check(self._request(max_new_tokens, False))
+        except ValueError:
+            return None
+        padding = (-prefix_length(self.key, len(prepared.prompt))) % self.unit
+        return padding + rows_needed(len(prepared.prompt), prepared.config, prepared.mode)
+
+    def _request(self, max_new_tokens: int, sampled: bool, variant: int = 0) -> EngineRequest:
+        prompt = self.prompt[:-1] + [self.plain[variant % len(self.plain)]]
+        overrides = {"max_new_tokens": max_new_tokens, "dllm_length_penalty": 0.0, "do_sample": sampled}
+        if self.key.block_size:
+            overrides["block_size"] = self.key.block_size
+        if sampled:
+            overrides["temperature"] = 1.0
+        return EngineRequest(prompt, self.key.mode, overrides=overrides)
+
+    def one_by_one(self) -> None:
+        """Requests joining one at a time, each after the last has stepped, up to `max_running`."""
+        handles, waits = [], []
+        for index in range(self.engine.max_running):
+            wait = _Wait(1)
+            handles.append(self.engine.submit(self._request(self.max_new_tokens, False, index), wait))
+            waits.append(wait)
+            wait.until(self.timeout)
+        self._end(handles, waits)
+
+    def burst(self, size: int, sampled: bool) -> None:
+        """`size` requests arriving together; in diffusion each waits for its second block, so that
+        the step committing its first block has run."""
+        waits = [_Wait(2 if strategy(self.key.mode).whole_blocks else 1) for _ in range(size)]
+        handles = self.engine.submit_all([self._request(self.max_new_tokens, sampled, index)
+                                          for index in range(size)], waits)
+        for wait in waits:
+            wait.until(self.timeout)
+        self._end(handles, waits)
+
+    def _end(self, handles, waits) -> None:
+        for handle in handles:
+            handle.cancel()
+        for wait in waits:
+            wait.finished.wait(self.timeout)
+
+
+class _Wait:
+    """A listener that counts events: `until` returns after `events` of them, or the finish."""
+
+    def __init__(self, events: int):
+        self.events, self.seen = events, 0
+        self.reached, self.finished = threading.Event(), threading.Event()
+
+    def __call__(self, event) -> None:
+        self.seen += 1
+        if event.finish is not None:
+            self.finished.set()
+        if self.seen >= self.events or event.finish is not None:
+            self.reached.set()
+
+    def until(self, timeout: float) -> None:
+        if not self.reached.wait(timeout):
+            raise TimeoutError(f"a warm-up request saw no event in {timeout} s")
+
+
+def _plain_tokens(engine, count: int = 64) -> list[int]:
+    """Prompt tokens that are none of the special ones (mask, EOS, think markers)."""
+    defaults = engine.defaults
+    special = set(defaults.eos_token_id) | {defaults.mask_token_id, defaults.think_start_token_id,
+                                            defaults.think_end_token_id}
+    return [token for token in range(2, engine.model.config.vocab_size) if token not in special][:count]
