@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+                    "/metrics) "
                     "with continuous batching of block diffusion; see docs/serving.md.")
     serve.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
                        help=f"checkpoint directory or Hugging Face Hub id (default: the bundled tiny model, "
@@ -127,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections served at once, the arriving one counted; 503 beyond (default 1024)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
+    serve.add_argument("--log-requests", action="store_true",
+                       help="log one line per request: method, path, status, seconds, request id")
     serve.set_defaults(run=run_serve)
     plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
                                             "with --compile)",
