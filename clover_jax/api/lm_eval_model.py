@@ -90,13 +90,11 @@ class CloverLM(LM):
     # ------------------------------------------------------------------ log-likelihoods
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(log P(continuation | context), whether every continuation token is the likeliest) per
-        request, from one causal pass over the context's and the continuation's tokens (encoded
-        separately, as lm-eval's own models and `local-completions` with token ids send them)."""
+        request, from one causal pass over the context's and the continuation's tokens (split as
+        lm-eval's models split them, `_encode_pair`)."""
         results = []
         for request in tqdm(requests, desc="clover-jax loglikelihood", disable=disable_tqdm):
-            context, continuation = request.args
-            context_ids = self.tokenizer.encode(context, add_special_tokens=False)
-            continuation_ids = self.tokenizer.encode(continuation, add_special_tokens=False)
+            context_ids, continuation_ids = self._encode_pair(*request.args)
             if not context_ids:  # lm-eval's rule for an empty context: start from the end-of-text token
                 context_ids = [self._prefix_token()]
             result = self._score(context_ids, continuation_ids)
@@ -121,6 +119,16 @@ class CloverLM(LM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
             results.append(total)
         return results
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's rule (its API models' too): the context's trailing spaces move to the
+        continuation, and the continuation's tokens are those of the whole after the context's."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
+        head = self.tokenizer.encode(context, add_special_tokens=False)
+        return head, whole[len(head):]
 
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         ids = context + continuation

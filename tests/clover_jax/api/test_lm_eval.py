@@ -109,8 +109,8 @@ def test_loglikelihoods_are_those_of_a_plain_causal_forward(harness):
         return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
     def reference(context: str, continuation: str) -> tuple[float, bool]:
-        head = model.tokenizer.encode(context, add_special_tokens=False)
-        tail = model.tokenizer.encode(continuation, add_special_tokens=False)
+        head = model.tokenizer.encode(context, add_special_tokens=False)  # lm-eval's split: the context
+        tail = model.tokenizer.encode(context + continuation, add_special_tokens=False)[len(head):]  # has no
         logp = log_softmax(head + tail)
         rows_ = np.arange(len(head) - 1, len(head) + len(tail) - 1)
         return float(logp[rows_, tail].sum()), bool((logp[rows_].argmax(-1) == tail).all())
