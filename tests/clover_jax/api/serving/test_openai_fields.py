@@ -6,7 +6,6 @@ completion that is all-or-nothing, and a shutdown that ends requests with its er
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -125,16 +124,16 @@ def test_diffusion_logprobs_are_the_deciding_steps_choice(tools_server):
 def test_n_choices_are_single_requests_with_seed_plus_i(tools_server):
     server, _ = tools_server
     body = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=8, temperature=1.0)
-    together = client(server).chat.completions.create(n=3, seed=11, **body)
-    alone = [client(server).chat.completions.create(seed=11 + i, **body) for i in range(3)]
+    together = client(server).chat.completions.create(n=2, seed=11, **body)
+    alone = [client(server).chat.completions.create(seed=11 + i, **body) for i in range(2)]
     said = lambda choice: (choice.message.content, choice.message.model_extra.get("reasoning_content"))
-    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.index for c in together.choices] == [0, 1]
     assert [said(c) for c in together.choices] == [said(a.choices[0]) for a in alone]
     assert len({said(c) for c in together.choices}) > 1  # the seeds differ
     assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens  # the prompt is read once
-    completion = client(server).completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=4, seed=3,
+    completion = client(server).completions.create(model=MODEL, prompt=["a"], n=2, max_tokens=2, seed=3,
                                                    temperature=1.0)
-    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert [c.index for c in completion.choices] == [0, 1]
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
@@ -169,9 +168,9 @@ def test_a_forced_tool_choice_is_a_call_of_that_tool(tools_server, choice):
         assert not (final.message.model_extra or {}).get("reasoning_content")  # thinking closed
 
 
-ACCEPTED = [{"store": True}, {"metadata": {"run": "7"}}, {"user": "u1"}, {"service_tier": "auto"},
-            {"prompt_cache_key": "k"}, {"safety_identifier": "s"}, {"parallel_tool_calls": False},
-            {"modalities": ["text"]}, {"tools": TOOLS}, {"n": 2}, {"logprobs": True, "top_logprobs": 20}]
+# output-neutral fields, all in one request (n, logprobs and tools are the tests' above)
+ACCEPTED = {"store": True, "metadata": {"run": "7"}, "user": "u1", "service_tier": "auto", "prompt_cache_key": "k",
+            "safety_identifier": "s", "parallel_tool_calls": False, "modalities": ["text"]}
 REFUSED = [({"logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
            ({"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter"),
            ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
@@ -187,9 +186,8 @@ def test_output_neutral_fields_are_accepted_and_the_others_refused_by_name(tools
     server, service = tools_server
     url = server.url + "/v1/chat/completions"
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for change in ACCEPTED:
-        response = httpx.post(url, json={**base, **change}, timeout=300)
-        assert response.status_code == 200, (change, response.text)
+    response = httpx.post(url, json={**base, **ACCEPTED}, timeout=300)
+    assert response.status_code == 200, response.text
     steps = service.engine.steps
     for change, param, code in REFUSED:
         response = httpx.post(url, json={**base, **change}, timeout=60)
@@ -288,16 +286,3 @@ def test_a_multi_prompt_completion_is_all_or_nothing_and_shutdown_ends_requests_
     assert results["whole"].status_code == 503 and results["whole"].json()["error"]["code"] == "server_shutdown"
     after = httpx.post(server.url + "/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert after.status_code == 503 and after.json()["error"]["code"] == "server_shutdown"
-
-
-def test_concurrent_forced_choices_and_logprobs_leave_the_engine_idle(tools_server):
-    server, _ = tools_server
-
-    async def together():
-        async with httpx.AsyncClient(timeout=300) as http:
-            bodies = [{"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 6,
-                       "logprobs": True, "mode": mode} for i, mode in enumerate(["diffusion", "autoregressive"] * 2)]
-            return await asyncio.gather(*(http.post(server.url + "/v1/chat/completions", json=b) for b in bodies))
-
-    assert all(r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"] for r in asyncio.run(together()))
-    assert httpx.get(server.url + "/health").json()["running"] == 0
