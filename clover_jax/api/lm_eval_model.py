@@ -17,8 +17,13 @@ its last occurrence; default `</think>` when the tokenizer has it, `none` keeps 
 
 Requests are grouped by their generation kwargs and decoded in batches. A request's `until`
 strings cut the decoded text (after the thinking is dropped), `max_gen_toks` is `max_new_tokens`,
-`do_sample` / `temperature` / `top_p` / `top_k` override the model args. Log-likelihood requests
-are refused: a block-diffusion LM has no exact likelihood here.
+`do_sample` / `temperature` / `top_p` / `top_k` override the model args.
+
+Log-likelihood requests (multiple choice, perplexity) are scored exactly by one causal pass over
+context + continuation (`decoding.scoring.prompt_logprobs`: the causal distribution with the mask
+token excluded, as the server's prompt log-probabilities are), so they agree with lm-eval's
+`local-completions` model against `clover-jax serve`. `loglikelihood_rolling` scores a text after the
+checkpoint's first EOS token, in windows of the model's context.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 from typing import Any
 
 import jax
+import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import postprocess_generated_text
@@ -37,15 +43,13 @@ from tqdm.auto import tqdm
 from decoding.generation import generate
 from decoding.generation_config import GenerationConfig
 from decoding.research import padded_batches
+from decoding.scoring import prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
 MODEL_OPTIONS = ("dtype", "quantize", "impl", "mesh", "target")
 PLAN_CONTEXT = 32768  # positions --target auto budgets for (at most the model's context)
 SCHEDULE_PREFIX = "schedule."
-NO_LIKELIHOOD = ("clover-jax serves generate_until requests only: a block-diffusion LM has no exact "
-                 "log-likelihood here, so {kind} tasks (multiple choice, perplexity) cannot be scored; "
-                 "pick generate_until tasks (e.g. gsm8k)")
 
 
 @register_model("clover-jax")
@@ -87,12 +91,69 @@ class CloverLM(LM):
         self.think_end_token = None if str(think_end_token).lower() in ("none", "") else think_end_token
         self.key = jax.random.key(int(seed))
 
-    # ------------------------------------------------------------------ refused request types
-    def loglikelihood(self, requests) -> list:
-        raise NotImplementedError(NO_LIKELIHOOD.format(kind="loglikelihood"))
+    # ------------------------------------------------------------------ log-likelihoods
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(log P(continuation | context), whether every continuation token is the likeliest) per
+        request, from one causal pass over the context's and the continuation's tokens (split as
+        lm-eval's models split them, `_encode_pair`)."""
+        results = []
+        for request in tqdm(requests, desc="clover-jax loglikelihood", disable=disable_tqdm):
+            context_ids, continuation_ids = self._encode_pair(*request.args)
+            if not context_ids:  # lm-eval's rule for an empty context: start from the end-of-text token
+                context_ids = [self._prefix_token()]
+            result = self._score(context_ids, continuation_ids)
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+            results.append(result)
+        return results
 
-    def loglikelihood_rolling(self, requests) -> list:
-        raise NotImplementedError(NO_LIKELIHOOD.format(kind="loglikelihood_rolling"))
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """log P(text) per request: every token after the checkpoint's EOS token, in windows of the
+        model's context (each window after the first sees the context's worth of tokens before it)."""
+        limit = self.model.config.max_position_embeddings
+        results = []
+        for request in tqdm(requests, desc="clover-jax loglikelihood_rolling", disable=disable_tqdm):
+            ids = [self._prefix_token()] + self.tokenizer.encode(request.args[0], add_special_tokens=False)
+            total, done = 0.0, 1
+            while done < len(ids):
+                end = min(done + limit - 1, len(ids))
+                begin = max(0, end - limit)
+                scores = prompt_logprobs(self.model, ids[begin:end], self._special.mask_token_id)
+                total += float(scores.logprobs[done - begin - 1:].sum())
+                done = end
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+            results.append(total)
+        return results
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's rule (its API models' too): the context's trailing spaces move to the
+        continuation, and the continuation's tokens are those of the whole after the context's."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
+        head = self.tokenizer.encode(context, add_special_tokens=False)
+        return head, whole[len(head):]
+
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        ids = context + continuation
+        limit = self.model.config.max_position_embeddings
+        if len(ids) > limit:  # keep the continuation whole and as much context as fits (lm-eval's rule)
+            ids = ids[len(ids) - limit:]
+        scores = prompt_logprobs(self.model, ids, self._special.mask_token_id, top=1)
+        tail = slice(len(ids) - len(continuation) - 1, None)
+        greedy = bool((scores.top_ids[tail, 0] == np.asarray(continuation)).all())
+        return float(scores.logprobs[tail].sum()), greedy
+
+    def _prefix_token(self) -> int:
+        eos = self._special.eos_token_id
+        if not eos:
+            raise ValueError("the checkpoint has no EOS token to start an empty context from")
+        return int(eos[0])
+
+    @property
+    def _special(self) -> GenerationConfig:
+        """The model args' config with the checkpoint's special token ids (mask, EOS)."""
+        return self.config.with_token_ids(self.model.config, self.pretrained)
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -26,13 +26,14 @@ import numpy as np
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.state import ModelState
 from decoding.block_loop import BlockProgress, SequenceFacts, StepRules, denoising_step
-from decoding.controls import Controls, TokenIds
+from decoding.controls import Controls, TokenIds, process_batch
 from decoding.engine.slots import one_slot, per_slot_choice
 from decoding.schedules import BY_NAME
 from decoding.schedules.switch import ScheduleSwitch
 
 # Every named schedule, in one switch: a request may bring any of them without a recompile.
 SCHEDULES = ScheduleSwitch(sorted(BY_NAME))
+MAX_TOP_LOGPROBS = 20  # alternatives a slot records per position while its request asks for log-probabilities
 
 
 class DiffusionLayout(NamedTuple):
@@ -54,6 +55,16 @@ class DiffusionSlots(NamedTuple):
     sample: jax.Array           # bool [S]: the request samples (else greedy)
     commit: jax.Array           # bool [S]: its block closed at the last step; the next step commits it
     nfe: jax.Array              # int32 [S]
+    scores: "BlockScores"       # each position's log-probability when it was decided (kept while asked for)
+
+
+class BlockScores(NamedTuple):
+    """Each position of a slot's block: the log-probability of its token under the processed
+    distribution of the step that decided it, and the K = MAX_TOP_LOGPROBS likeliest tokens there."""
+
+    logprob: jax.Array          # float32 [S, B]
+    top_ids: jax.Array          # int32 [S, B, K]
+    top_values: jax.Array       # float32 [S, B, K]
 
 
 class DiffusionReport(NamedTuple):
@@ -64,17 +75,22 @@ class DiffusionReport(NamedTuple):
     block: jax.Array            # int32 [S, B]: the slot's block after the step
     steps: jax.Array            # int32 [S]: denoising steps of the current block
     nfe: jax.Array              # int32 [S]
+    logprob: jax.Array          # `BlockScores` of the block after the step (as the slots hold them)
+    top_ids: jax.Array
+    top_values: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("passes", "layout", "commit", "sample"), donate_argnames=("slots",))
+@functools.partial(jax.jit, static_argnames=("passes", "layout", "commit", "sample", "scores"),
+                   donate_argnames=("slots",))
 def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, slots: DiffusionSlots,
                    alive: jax.Array, coreset_top_p: jax.Array, ids: TokenIds, *, commit: bool,
-                   sample: bool) -> tuple[DiffusionSlots, DiffusionReport]:
+                   sample: bool, scores: bool = False) -> tuple[DiffusionSlots, DiffusionReport]:
     """One forward over every slot, then one denoising step of each live one.
 
     alive: bool [S], the slots holding a request (the others compute and are ignored);
     commit: some live slot commits its block in this pass (else a plain denoising pass);
-    sample: some live slot samples.
+    sample: some live slot samples; scores: some live slot asked for log-probabilities (each
+    position filled or edited in this step records its token's, `BlockScores`).
     """
     progress = slots.progress._replace(finished=slots.progress.finished | ~alive)
     model = slots.model
@@ -99,10 +115,32 @@ def diffusion_step(passes: ModelPasses, params: Any, layout: DiffusionLayout, sl
 
     rules = StepRules(controls=controls, ids=ids, steps_cap=layout.steps_cap, choose=choose_rows,
                       schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))
+    before = progress
     progress, details = denoising_step(progress, slots.facts, out.logits, rules)
     nfe = slots.nfe + details.active
-    slots = slots._replace(model=model, progress=progress, commit=details.closing & ~progress.finished, nfe=nfe)
-    return slots, DiffusionReport(details.closing, progress.finished, progress.block, progress.step, nfe)
+    recorded = _scored(before, slots.facts, out.logits, controls, ids, details, slots.scores) if scores \
+        else slots.scores
+    slots = slots._replace(model=model, progress=progress, commit=details.closing & ~progress.finished, nfe=nfe,
+                           scores=recorded)
+    # the scores leave the device only while asked for (a step's report stays small)
+    return slots, DiffusionReport(details.closing, progress.finished, progress.block, progress.step, nfe,
+                                  *(recorded if scores else (None, None, None)))
+
+
+def _scored(before, facts, logits: jax.Array, controls: Controls, ids: TokenIds, details,
+            kept: BlockScores) -> BlockScores:
+    """`kept` with the positions this step filled or edited given the log-probability of their new
+    token under the step's processed distribution (`process`, as `denoising_step` computed it from
+    the same logits, counts and response indices) and the top K there."""
+    size = before.block.shape[1]
+    response_index = facts.response_base[:, None] + before.block_index[:, None] * size + jnp.arange(size)[None, :]
+    processed = process_batch(logits, before.counts, response_index, facts.prompt_thinking, controls, ids)
+    logp = jax.nn.log_softmax(processed, axis=-1)
+    chosen = jnp.take_along_axis(logp, details.choice.token[..., None], axis=-1)[..., 0]
+    values, indices = jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
+    new = details.filled | details.edited
+    return BlockScores(jnp.where(new, chosen, kept.logprob), jnp.where(new[..., None], indices, kept.top_ids),
+                       jnp.where(new[..., None], values, kept.top_values))
 
 
 def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prompt_length: int,
@@ -123,7 +161,9 @@ def entry(model_state: ModelState, prompt_tail: list[int], block_size: int, prom
     facts = SequenceFacts(response_base=one(-tail, np.int32), prompt_length=one(prompt_length, np.int32),
                           max_new_tokens=one(max_new_tokens, np.int32), prompt_thinking=one(thinking, bool),
                           threshold=one(threshold, np.float32), key=key)
+    scores = BlockScores(np.zeros((1, block_size), np.float32), np.zeros((1, block_size, MAX_TOP_LOGPROBS), np.int32),
+                         np.zeros((1, block_size, MAX_TOP_LOGPROBS), np.float32))
     return DiffusionSlots(model=one_slot(model_state), progress=progress, facts=facts,
                           controls=jax.tree_util.tree_map(lambda value: np.asarray(value)[None], controls),
                           schedule=schedule, sample=one(sample, bool), commit=one(False, bool),
-                          nfe=one(int(has_prefix), np.int32))
+                          nfe=one(int(has_prefix), np.int32), scores=scores)

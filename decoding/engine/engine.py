@@ -250,7 +250,7 @@ class Engine:
             return len(self._held)
 
     def close(self) -> None:
-        """Stop the loop; requests still held finish with "cancelled"."""
+        """Stop the loop; requests still queued or held finish with "shutdown"."""
         with self._lock:
             self._closed = True
             self._lock.notify()
@@ -280,8 +280,8 @@ class Engine:
                     self._fail(tracked, "internal error in the serving engine")
                 self._prefills.clear()
                 self._lanes.clear()
-        for tracked in list(self._queue) + list(self._held.values()):
-            self._deliver(tracked, EngineEvent([], "cancelled", self._stats(tracked)))
+        for tracked in list(self._queue) + list(self._inbox) + list(self._held.values()):
+            self._deliver(tracked, EngineEvent([], "shutdown", self._stats(tracked)))
 
     def _cancel(self, numbers: set[int]) -> None:
         if not numbers:
@@ -403,16 +403,17 @@ class Engine:
         tracked = outcome.tracked
         tracked.emitted += len(outcome.tokens)
         if outcome.finish is not None:
-            self._finish(tracked, outcome.finish, outcome.tokens)
+            self._finish(tracked, outcome.finish, outcome.tokens, logprobs=outcome.logprobs)
         elif outcome.tokens:
-            self._deliver(tracked, EngineEvent(outcome.tokens))
+            self._deliver(tracked, EngineEvent(outcome.tokens, logprobs=outcome.logprobs))
 
-    def _finish(self, tracked: Tracked, finish: str, tokens: list[int] | None = None, error: str | None = None) -> None:
+    def _finish(self, tracked: Tracked, finish: str, tokens: list[int] | None = None, error: str | None = None,
+                logprobs: list | None = None) -> None:
         """Free the request's slot (or prefill) and send its last event."""
         self._release(tracked)
         if not tracked.done:
             self.finished[finish] += 1
-        self._deliver(tracked, EngineEvent(tokens or [], finish, self._stats(tracked), error))
+        self._deliver(tracked, EngineEvent(tokens or [], finish, self._stats(tracked), error, logprobs))
 
     def _fail(self, tracked: Tracked, message: str) -> None:
         self._finish(tracked, "error", error=message)

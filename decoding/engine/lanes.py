@@ -73,6 +73,7 @@ class Outcome:
     tracked: Tracked
     tokens: list[int]
     finish: str | None
+    logprobs: list | None = None  # diffusion, when the request asked: one (logprob, top ids, top logprobs) per token
 
 
 class Lane:
@@ -202,17 +203,19 @@ class DiffusionLane(Lane):
         requests = self.requests()
         commit = any(tracked.commits for tracked in requests)
         sample = any(tracked.prepared.config.do_sample for tracked in requests)
+        # the log-probability program runs only while a request in the lane asks for them
+        scores = any(tracked.prepared.logprobs is not None for tracked in requests)
         self.slots, report = diffusion_lane.diffusion_step(
             self.context.passes, self.context.params, self.layout, self.slots, self.alive(),
-            self.context.coreset_top_p, self.context.ids, commit=commit, sample=sample)
-        closing, finished, blocks, steps, nfe = jax.device_get(report)
+            self.context.coreset_top_p, self.context.ids, commit=commit, sample=sample, scores=scores)
+        closing, finished, blocks, steps, nfe, logprob, top_ids, top_values = jax.device_get(report)
         outcomes = []
         for slot, tracked in enumerate(self.occupants):
             if tracked is None:
                 continue
             tracked.nfe = int(nfe[slot])
             tracked.commits = bool(closing[slot] and not finished[slot])  # the next step commits the block
-            tokens, finish = [], None
+            tokens, finish, logprobs = [], None, None
             if closing[slot]:
                 size = self.key.block_size
                 first_row = len(tracked.prepared.prompt) % size if tracked.blocks == 0 else 0
@@ -220,10 +223,15 @@ class DiffusionLane(Lane):
                                            self.context.eos)
                 tracked.blocks += 1
                 tracked.steps_per_block.append(int(steps[slot]))
+                top = tracked.prepared.logprobs
+                if top is not None:
+                    rows = range(first_row, first_row + len(tokens))
+                    logprobs = [(float(logprob[slot, r]), top_ids[slot, r, :top].tolist(),
+                                 top_values[slot, r, :top].tolist()) for r in rows]
             if finished[slot]:
                 finish = self._finish(tracked, tokens)
             if tokens or finish:
-                outcomes.append(Outcome(tracked, tokens, finish))
+                outcomes.append(Outcome(tracked, tokens, finish, logprobs))
         return outcomes
 
 

@@ -17,27 +17,30 @@ import numpy as np
 
 from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
 from decoding.controls import Controls
-from decoding.engine.diffusion_lane import SCHEDULES
+from decoding.engine.diffusion_lane import MAX_TOP_LOGPROBS, SCHEDULES
 from decoding.generation_config import GenerationConfig
 from decoding.layouts import controls_of, prompt_thinking
 from decoding.modes import Mode, strategy
 from decoding.schedules import BY_NAME, resolve_params
 from decoding.validation import check_prompts, resolve_config
 
-FINISH_REASONS = ("eos", "length", "cancelled", "error")
+FINISH_REASONS = ("eos", "length", "cancelled", "error", "shutdown")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """prompt: token ids; mode: "diffusion", "autoregressive" or "self_speculative";
     generation_config: as `generate` takes it (None: the checkpoint's); overrides: GenerationConfig
-    fields; seed: the PRNG seed of a sampled request (`generate(key=jax.random.key(seed))` alone)."""
+    fields; seed: the PRNG seed of a sampled request (`generate(key=jax.random.key(seed))` alone);
+    logprobs: diffusion only — record each response token's log-probability at the denoising step
+    that decided it, with this many alternatives (None: record nothing; see `EngineEvent.logprobs`)."""
 
     prompt: Sequence[int]
     mode: str | Mode = Mode.DIFFUSION
     generation_config: GenerationConfig | None = None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,7 @@ class PreparedRequest:
     lane: LaneKey
     key: Any = None              # `sequence_key_row(seed)`, made on the caller's thread
     schedule: Any = None         # diffusion: its parameters of the engine's schedule switch (one slot's row)
+    logprobs: int | None = None  # diffusion: alternatives recorded per token (None: no log-probabilities)
 
     @property
     def max_new_tokens(self) -> int:
@@ -86,13 +90,16 @@ class RequestStats:
 class EngineEvent:
     """Delivered to a request's listener on the engine's thread, in order: `tokens` (response
     tokens decided since the last event: a block, a token, a self-speculative round's emission),
-    then one event with `finish` set ("eos", "length", "cancelled", "error"), its `stats`, and
-    `error` (a message) when the engine failed the request."""
+    then one event with `finish` set ("eos", "length", "cancelled", "error", "shutdown": the engine
+    was closed), its `stats`, and `error` (a message) when the engine failed the request.
+    logprobs: for a request that asked for them, one (log-probability, top ids, top log-probabilities)
+    per token of `tokens`, the processed distribution of the denoising step that decided it."""
 
     tokens: list[int]
     finish: str | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 Listener = Callable[[EngineEvent], None]
@@ -123,6 +130,14 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
             not 0 <= request.seed < 2**63:
         raise FieldError("seed", f"seed must be an integer in [0, 2**63), got {request.seed!r}")
     resolve_params(config.schedule, config.schedule_params, config)  # names, types and ranges
+    if request.logprobs is not None:
+        if decoder.mode != Mode.DIFFUSION:
+            raise FieldError("logprobs", "the engine records log-probabilities in diffusion mode only (the causal "
+                                         "modes are scored by one causal pass: decoding.scoring)", code=UNSUPPORTED)
+        if isinstance(request.logprobs, bool) or not isinstance(request.logprobs, int) or \
+                not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise FieldError("logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, "
+                                         f"got {request.logprobs!r}")
     prompt = check_prompts(model, [request.prompt], config, decoder.mode)[0]
     needed, rule = decoder.rows_needed(len(prompt), config.max_new_tokens, config.block_size)
     if needed > max_context:
@@ -137,7 +152,7 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
                                           SCHEDULES.params(config.schedule, config.schedule_params, config))
     return PreparedRequest(prompt=prompt, mode=decoder.mode, config=config, controls=controls_of(config),
                            thinking=prompt_thinking(prompt, config), seed=int(request.seed), lane=lane,
-                           key=sequence_key_row(int(request.seed)), schedule=schedule)
+                           key=sequence_key_row(int(request.seed)), schedule=schedule, logprobs=request.logprobs)
 
 
 @functools.lru_cache(maxsize=256)

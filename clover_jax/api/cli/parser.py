@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+                    "/metrics) "
                     "with continuous batching of block diffusion; see docs/serving.md.")
     serve.add_argument("--model", metavar="DIR|ORG/NAME", default=None,
                        help=f"checkpoint directory or Hugging Face Hub id (default: the bundled tiny model, "
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="before the port opens, compile every mode at every --block-sizes for every batch up to "
                             "--max-running and cache size up to --max-context, so that no request waits on a "
                             "compile (logs the program count and time; docs/serving.md)")
+    serve.add_argument("--log-requests", action="store_true",
+                       help="log one line per request: method, path, status, seconds, request id")
     serve.set_defaults(run=run_serve)
     plan = commands.add_parser("plan", help="which weight format and mesh fit an accelerator (its compiler's word "
                                             "with --compile)",

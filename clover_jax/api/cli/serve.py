@@ -61,6 +61,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"clover-jax serve: warmed up in {warm_up(service):.1f} s", file=sys.stderr)
     print(f"clover-jax serve: serving {name!r} at http://{args.host}:{args.port}/v1 (max {args.max_running} "
           f"running, {args.max_queue} queued){'; API key required' if args.api_key else ''}", file=sys.stderr)
+    if args.log_requests:
+        import logging
+
+        log = logging.getLogger("clover_jax.api.serving.requests")
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
     serve(service, args.host, args.port, args.api_key, args.max_body_bytes, body_timeout=args.body_timeout,
-          max_connections=args.max_connections)
+          max_connections=args.max_connections, log_requests=args.log_requests)
     return 0

@@ -19,18 +19,26 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover_jax.api.serving.errors import ApiError, bad_request
+from clover_jax.api.serving.logprobs import chat_logprobs, completion_logprobs
+from clover_jax.api.serving.metrics import CONTENT_TYPE, Metrics
 from clover_jax.api.serving.protocol import read_chat, read_completion
 from clover_jax.api.serving.responses import ChoiceText, Message
-from clover_jax.api.serving.service import Prepared, Service, Submission
+from clover_jax.api.serving.service import Prepared, Service, Submission, shutting_down
 from decoding.engine import EngineEvent
+from decoding.modes import Mode
+from decoding.scoring import TokenScores
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("clover_jax.api.serving.requests")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+MAX_REQUEST_ID = 200  # characters of a client's X-Request-Id kept; a longer or unprintable one is replaced
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body, from its first byte
@@ -39,9 +47,12 @@ FINISH = {"eos": "stop", "length": "length"}
 
 
 def create_app(service: Service, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, log_requests: bool = False) -> FastAPI:
+    """log_requests: one line per answered request on the `clover_jax.api.serving.requests` logger
+    (INFO): method, path, status, seconds to the response's start, request id."""
     app = FastAPI(title="clover-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    metrics = app.state.metrics = Metrics(service.engine)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
@@ -51,6 +62,23 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                 return _error(ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", None,
                                        "invalid_api_key"))
         return await call_next(request)
+
+    @app.middleware("http")
+    async def identify(request: Request, call_next):
+        """The outermost layer: the request id (the client's X-Request-Id, or a new one) on every
+        response, the request counted by endpoint and status, and the log line."""
+        started = time.perf_counter()
+        given = request.headers.get("x-request-id", "")
+        request_id = given if 0 < len(given) <= MAX_REQUEST_ID and given.isprintable() else uuid.uuid4().hex
+        request.state.request_id = request_id
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        endpoint = request.url.path if request.url.path in ENDPOINTS else "other"
+        metrics.request_done(endpoint, response.status_code)
+        if log_requests:
+            request_log.info("%s %s %d %.3fs id=%s", request.method, request.url.path, response.status_code,
+                             time.perf_counter() - started, request_id)
+        return response
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -71,6 +99,10 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         return {"status": "ok", "model": service.name, "running": service.engine.running(),
                 "queued": service.engine.queued(), "finished": dict(service.engine.finished)}
 
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": service.name, "object": "model", "created": _STARTED,
@@ -80,37 +112,55 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     async def chat_completions(request: Request):
         chat = read_chat(await _read_json(request, max_body_bytes, body_timeout))
         prepared = await run_in_threadpool(service.prepare_chat, chat)
-        text = ChoiceText(service.tokenizer, chat.sampling.stop, reasoning=prepared.reasoning_opened, tools=chat.tools)
-        submission = service.submit(prepared)
+        make_text = lambda one: ChoiceText(service.tokenizer, chat.sampling.stop, reasoning=one.reasoning_opened,
+                                           tools=chat.tools, opening=one.opening, first_call_only=not
+                                           chat.parallel_tool_calls)
+        texts = [make_text(one) for one in prepared]
+        submissions = service.submit_all(prepared, metrics.engine_request_done)
         reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
         if chat.sampling.stream:
-            return _sse(_chat_stream(reply, submission, text, chat.sampling.include_usage))
-        message = Message()
-        event = await _collect(request, submission, text, message.add)
-        return reply.body([{"index": 0, "message": message.as_openai(), "logprobs": None,
-                            "finish_reason": reply.finish(event, text)}], [event])
+            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True))
+        messages = [Message() for _ in prepared]
+        collected = await asyncio.gather(*(_collect(request, s, t, m.add)
+                                           for s, t, m in zip(submissions, texts, messages, strict=True)))
+        choices = []
+        for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
+                                                                               strict=True)):
+            finish = reply.finish(event, text)
+            scores = None
+            if chat.sampling.logprobs:
+                scores = await run_in_threadpool(_response_scores, service, prepared[index], tokens, logprobs,
+                                                 chat.sampling.top_logprobs)
+            choices.append({"index": index, "message": message.as_openai(),
+                            "logprobs": None if scores is None else chat_logprobs(service.tokenizer, tokens, scores),
+                            "finish_reason": finish})
+        return reply.body(choices, [event for event, _, _ in collected])
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         completion = read_completion(await _read_json(request, max_body_bytes, body_timeout))
+        sampling = completion.sampling
         prepared = await run_in_threadpool(service.prepare_completion, completion)
-        texts = [ChoiceText(service.tokenizer, completion.sampling.stop) for _ in prepared]
-        submissions = []
-        try:
-            for one in prepared:
-                submissions.append(service.submit(one))
-        except ApiError:
-            for submission in submissions:
-                submission.cancel()
-            raise
-        reply = _Reply("cmpl", "text_completion", service.name, prepared, completion.sampling)
-        if completion.sampling.stream:
-            return _sse(_completion_stream(reply, submissions, texts, completion.sampling.include_usage))
+        texts = [ChoiceText(service.tokenizer, sampling.stop) for _ in prepared]
+        echoes = [_echo_text(service, one) if sampling.echo else "" for one in prepared]
+        submissions = service.submit_all(prepared, metrics.engine_request_done)  # all prompts, or one 503
+        reply = _Reply("cmpl", "text_completion", service.name, prepared, sampling)
+        if sampling.stream:
+            return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes))
         messages = [Message() for _ in prepared]
-        events = await asyncio.gather(*(_collect(request, s, t, m.add)
-                                        for s, t, m in zip(submissions, texts, messages, strict=True)))
-        return reply.body([{"index": i, "text": m.text, "logprobs": None, "finish_reason": reply.finish(e, t)}
-                           for i, (m, e, t) in enumerate(zip(messages, events, texts, strict=True))], events)
+        collected = await asyncio.gather(*(_collect(request, s, t, m.add)
+                                           for s, t, m in zip(submissions, texts, messages, strict=True)))
+        choices = []
+        for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
+                                                                               strict=True)):
+            finish = reply.finish(event, text)
+            scores = None
+            if sampling.logprobs:
+                scores = await run_in_threadpool(_completion_scores, service, prepared[index], tokens, logprobs,
+                                                 sampling.top_logprobs, sampling.echo)
+            choices.append({"index": index, "text": echoes[index] + message.text, "logprobs": scores,
+                            "finish_reason": finish})
+        return reply.body(choices, [event for event, _, _ in collected])
 
     return app
 
@@ -133,13 +183,20 @@ class _Reply:
         return {"id": self.id, "object": kind or self.kind, "created": self.created, "model": self.model}
 
     def finish(self, event: EngineEvent, text: ChoiceText) -> str:
+        """The choice's finish_reason; a request the engine failed or the shutdown ended raises
+        ApiError (500, 503): it is never reported as "stop"."""
         if event.finish == "error":
             raise ApiError(500, f"the request failed in the engine: {event.error}", None, "engine_error")
+        if event.finish == "shutdown":
+            raise shutting_down()
+        if text.forced:  # a forced call is the response, however it ended
+            return "tool_calls"
         reason = "stop" if text.stopped else FINISH.get(event.finish, "stop")
         return "tool_calls" if text.called and reason == "stop" else reason
 
     def usage(self, events: list[EngineEvent]) -> dict[str, int]:
-        prompt = sum(len(p.prompt) for p in self.prepared)
+        # n choices of a prompt read it once
+        prompt = sum(len(p.prompt) for p in self.prepared[::self.sampling.n])
         completion = sum(e.stats.completion_tokens for e in events if e.stats is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -161,17 +218,26 @@ class _Reply:
 
 
 # ---------------------------------------------------------------------- running a request
-async def _collect(request: Request, submission: Submission, text: ChoiceText, sink) -> EngineEvent:
-    """Every event of a whole (not streamed) response; a client that leaves cancels it."""
+async def _collect(request: Request, submission: Submission, text: ChoiceText,
+                   sink) -> tuple[EngineEvent, list[int], list | None]:
+    """Every event of a whole (not streamed) response; a client that leaves cancels it. Returns the
+    last event, the response tokens read (up to a stop string), and the engine's log-probabilities
+    of those tokens (diffusion requests that asked for them; else None)."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
+    tokens: list[int] = []
+    logprobs: list | None = None
     try:
         async for event in submission.events():
+            if not text.stopped:
+                tokens.extend(event.tokens)
+                if event.logprobs is not None:
+                    logprobs = (logprobs or []) + event.logprobs
             sink(text.push(event.tokens))
             if text.stopped:
                 submission.cancel()
             if event.finish is not None:
                 sink(text.finish())
-                return event
+                return event, tokens, logprobs
     finally:
         watcher.cancel()
         submission.cancel()
@@ -192,35 +258,23 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(encoded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _chat_stream(reply: _Reply, submission: Submission, text: ChoiceText, include_usage: bool):
-    chunk = lambda delta, finish=None: {**reply.base("chat.completion.chunk"), "choices": [
-        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in submission.events():
-            for delta in text.push(event.tokens):
-                yield chunk(delta)
-            if text.stopped:
-                submission.cancel()
-            if event.finish is not None:
-                for delta in text.finish():
-                    yield chunk(delta)
-                try:
-                    finish = reply.finish(event, text)
-                except ApiError as error:
-                    yield error.body()
-                    return
-                yield {**chunk({}, finish), "clover": reply.clover([event])}
-                if include_usage:
-                    yield {**reply.base("chat.completion.chunk"), "choices": [], "usage": reply.usage([event])}
-    finally:
-        submission.cancel()  # the client left, or the stream ended: the slot is freed either way
+async def _stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText], include_usage: bool,
+                  chat: bool, echoes: list[str] | None = None):
+    """The chunks of every choice, as each one's events come (choice i: index i). A choice the
+    engine failed or the shutdown ended ends the stream with an OpenAI error event."""
+    def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
+        if chat:
+            return {**reply.base("chat.completion.chunk"), "choices": [
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {**reply.base(), "choices": [{"index": index, "text": delta.get("content", ""), "logprobs": None,
+                                             "finish_reason": finish}]}
 
+    def pieces(index: int, deltas: list[dict]):
+        if chat:
+            return [chunk(index, delta) for delta in deltas]
+        text = "".join(d["content"] for d in deltas)
+        return [chunk(index, {"content": text})] if text else []
 
-async def _completion_stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText],
-                             include_usage: bool):
-    chunk = lambda index, piece, finish=None: {**reply.base(), "choices": [
-        {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}]}
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, submission: Submission):
@@ -230,31 +284,68 @@ async def _completion_stream(reply: _Reply, submissions: list[Submission], texts
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(submissions)]
     finals: dict[int, EngineEvent] = {}
     try:
+        for index in range(len(submissions)):
+            if chat:
+                yield chunk(index, {"role": "assistant", "content": ""})
+            elif echoes and echoes[index]:
+                yield chunk(index, {"content": echoes[index]})
         while len(finals) < len(submissions):
             index, event = await queue.get()
             text = texts[index]
-            piece = "".join(d["content"] for d in text.push(event.tokens))
+            for piece in pieces(index, text.push(event.tokens)):
+                yield piece
             if text.stopped:
                 submissions[index].cancel()
             if event.finish is None:
-                if piece:
-                    yield chunk(index, piece)
                 continue
-            piece += "".join(d["content"] for d in text.finish())
+            deltas = text.finish()
             finals[index] = event
             try:
                 finish = reply.finish(event, text)
             except ApiError as error:
                 yield error.body()
                 return
-            yield {**chunk(index, piece, finish), "clover": reply.clover([event])}
+            if chat:
+                for piece in pieces(index, deltas):
+                    yield piece
+                yield {**chunk(index, {}, finish), "clover": reply.clover([event])}
+            else:
+                yield {**chunk(index, {"content": "".join(d["content"] for d in deltas)}, finish),
+                       "clover": reply.clover([event])}
         if include_usage:
-            yield {**reply.base(), "choices": [], "usage": reply.usage(list(finals.values()))}
+            kind = "chat.completion.chunk" if chat else None
+            yield {**reply.base(kind), "choices": [], "usage": reply.usage([finals[i] for i in sorted(finals)])}
     finally:
         for task in pumps:
             task.cancel()
         for submission in submissions:
-            submission.cancel()
+            submission.cancel()  # the client left, or the stream ended: the slots are freed either way
+
+
+# ---------------------------------------------------------------------- log-probabilities
+def _response_scores(service: Service, prepared: Prepared, tokens: list[int], engine_logprobs: list | None,
+                     top: int) -> TokenScores:
+    """The response tokens' scores: the engine's (diffusion: the deciding step's), or one causal
+    pass (autoregressive, self-speculative)."""
+    if prepared.request.mode in (Mode.DIFFUSION, "diffusion"):
+        rows = (engine_logprobs or [])[:len(tokens)]
+        return TokenScores(np.array([r[0] for r in rows], np.float32),
+                           np.array([r[1] for r in rows], np.int32).reshape(len(rows), top),
+                           np.array([r[2] for r in rows], np.float32).reshape(len(rows), top))
+    return service.response_scores(prepared, tokens, top)
+
+
+def _completion_scores(service: Service, prepared: Prepared, tokens: list[int], engine_logprobs: list | None,
+                       top: int, echo: bool) -> dict:
+    response = _response_scores(service, prepared, tokens, engine_logprobs, top)
+    prompt = service.prompt_scores(prepared.prompt, top) if echo else None
+    return completion_logprobs(service.tokenizer, prepared.prompt if echo else [], prompt, tokens, response)
+
+
+def _echo_text(service: Service, prepared: Prepared) -> str:
+    if prepared.prompt_text is not None:
+        return prepared.prompt_text
+    return service.tokenizer.decode(prepared.prompt, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,11 +1,13 @@
 """The OpenAI request bodies the server accepts, read and checked field by field.
 
-Every field is checked for its type and range before anything is computed, and a field the
-server does not implement is refused by name rather than ignored: `n` other than 1, `logprobs`,
-`echo`, `best_of`, `suffix`, `logit_bias`, structured `response_format`, forced tool choices, and
-any field it does not know. Clover's own decoding controls ride as extra fields (`threshold`,
-`block_size`, `schedule`, `schedule_params`, `mode`; vLLM-style `top_k` and
-`repetition_penalty` too), as OpenAI clients send them with `extra_body`.
+Every field is checked for its type and range before anything is computed. OpenAI fields that do
+not change the output (`store`, `metadata`, `user`, `service_tier`, `prompt_cache_key`,
+`safety_identifier`, a tool's `strict`) are accepted and checked for their type; OpenAI fields
+that would change the output and are not implemented (`UNSUPPORTED`: `logit_bias`, `suffix`,
+`best_of` other than 1, structured `response_format`, ...) are refused by name rather than ignored,
+and so is any field the server does not know (a typo is a 400, not a silent default). Clover's own
+decoding controls ride as extra fields (`threshold`, `block_size`, `schedule`, `schedule_params`,
+`mode`; vLLM-style `top_k` and `repetition_penalty` too), as OpenAI clients send them with `extra_body`.
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 64
+MAX_CHOICES = 8                # n
+MAX_TOP_LOGPROBS = 20          # chat's top_logprobs (OpenAI's bound)
+MAX_COMPLETION_LOGPROBS = 5    # completions' logprobs (OpenAI's bound)
+# Output-changing OpenAI fields the server does not implement: refused by name when set.
 UNSUPPORTED = {
-    "logprobs": "logprobs are not supported: a block-diffusion model decides each position by denoising, not from "
-                "one next-token distribution",
-    "top_logprobs": "top_logprobs are not supported (see logprobs)",
     "logit_bias": "logit_bias is not supported",
-    "echo": "echo is not supported: the response holds the completion only",
     "suffix": "suffix is not supported",
+    "reasoning_effort": "reasoning_effort is not supported: send chat_template_kwargs {'enable_thinking': false} to "
+                        "turn thinking off",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
     "functions": "functions and function_call are the legacy form: send tools and tool_choice",
     "function_call": "functions and function_call are the legacy form: send tools and tool_choice",
     "prediction": "predicted outputs are not supported",
     "audio": "audio is not supported",
-    "modalities": "only text is supported",
 }
 
 
@@ -57,6 +62,10 @@ class Sampling:
     mode: str = "diffusion"
     stream: bool = False
     include_usage: bool = False
+    n: int = 1                      # choices per prompt; choice i samples with seed + i
+    logprobs: bool = False          # log-probabilities of the response tokens (and, with echo, the prompt's)
+    top_logprobs: int = 0           # the most likely alternatives at each position
+    echo: bool = False              # completions: the prompt is part of the text (and of the logprobs)
 
 
 @dataclasses.dataclass
@@ -66,6 +75,8 @@ class ChatRequest:
     tools: list[dict] | None
     template_kwargs: dict
     sampling: Sampling
+    forced: str | None = None        # tool_choice: None (auto), "required", or the name of a function
+    parallel_tool_calls: bool = True  # false: the first tool call only
 
 
 @dataclasses.dataclass
@@ -163,10 +174,7 @@ def read_sampling(fields: Fields, max_tokens_names: tuple[str, ...]) -> Sampling
     if len(values) > 1:
         raise bad_request(f"{' and '.join(max_tokens_names)} differ ({given}); send one of them", max_tokens_names[0])
     sampling.max_tokens = values.pop() if values else None
-    n = fields.get("n", integer())
-    if n not in (None, 1):
-        raise bad_request(f"n must be 1: the server returns one choice per request (send the request again for more), "
-                          f"got {n}", "n", "unsupported_parameter")
+    sampling.n = fields.get("n", integer(1, MAX_CHOICES), 1)
     sampling.stop = read_stop(fields)
     sampling.temperature = fields.get("temperature", number(0.0, 2.0))
     sampling.top_p = fields.get("top_p", number())  # its range, and the others' below: GenerationConfig's
@@ -189,14 +197,27 @@ def read_sampling(fields: Fields, max_tokens_names: tuple[str, ...]) -> Sampling
         option_fields = Fields(options, "stream_options")
         sampling.include_usage = option_fields.get("include_usage", boolean, False)
         option_fields.done()
-    fields.get("user", text)  # accepted, not used
-    fields.get("parallel_tool_calls", boolean)  # the model may write several calls; nothing to limit
+    read_neutral(fields)
     fields.get("best_of", _one("best_of"))
     format_ = fields.get("response_format", _object)
     if format_ is not None and format_.get("type") != "text":
         raise bad_request("response_format other than {'type': 'text'} is not supported: Clover's decoding is not "
                           "constrained to a schema", "response_format", "unsupported_parameter")
     return sampling
+
+
+def read_neutral(fields: Fields) -> None:
+    """OpenAI fields that do not change the output: read for their type, then not used (storage,
+    tiers, caching hints and end-user ids mean nothing to a server that keeps nothing)."""
+    fields.get("store", boolean)
+    metadata = fields.get("metadata", _object)
+    if metadata is not None and not all(isinstance(value, str) for value in metadata.values()):
+        raise bad_request("metadata must map keys to strings", "metadata")
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
+        fields.get(name, text)
+    modalities = fields.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only text is supported: modalities must be ['text']", "modalities", "unsupported_parameter")
 
 
 def read_stop(fields: Fields) -> list[str]:
@@ -241,19 +262,55 @@ def read_chat(body: Any) -> ChatRequest:
         if not isinstance(tools, list):
             raise bad_request("tools must be a list of {'type': 'function', 'function': {...}} objects", "tools")
         tools = [read_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
-    choice = fields.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise bad_request("tool_choice must be 'auto' or 'none': Clover's decoding cannot force a call ('required' "
-                          "or a named function)", "tool_choice", "unsupported_parameter")
-    if choice == "none":
-        tools = None
+    forced = read_tool_choice(fields.get("tool_choice"), tools)
+    if forced == "none":
+        tools, forced = None, None
+    parallel = fields.get("parallel_tool_calls", boolean, True)
     template_kwargs = fields.get("chat_template_kwargs", _object, {})
     if "enable_thinking" in template_kwargs and not isinstance(template_kwargs["enable_thinking"], bool):
         raise bad_request("chat_template_kwargs.enable_thinking must be true or false",
                           "chat_template_kwargs.enable_thinking")
     sampling = read_sampling(fields, ("max_tokens", "max_completion_tokens"))
+    sampling.logprobs = fields.get("logprobs", boolean, False)
+    sampling.top_logprobs = fields.get("top_logprobs", integer(0, MAX_TOP_LOGPROBS), 0)
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    _check_logprobs(sampling)
     fields.done()
-    return ChatRequest(model, messages, tools, template_kwargs, sampling)
+    return ChatRequest(model, messages, tools, template_kwargs, sampling, forced, parallel)
+
+
+def read_tool_choice(choice: Any, tools: list[dict] | None) -> str | None:
+    """tool_choice: None or "auto" -> None; "none"; "required"; {"type": "function", "function":
+    {"name": N}} -> N, a function of `tools`."""
+    if choice is None or choice == "auto":
+        return None
+    if choice == "none":
+        return "none"
+    if choice == "required" or isinstance(choice, dict):
+        if not tools:
+            raise bad_request("tool_choice forces a tool call: send tools", "tool_choice")
+        if choice == "required":
+            return "required"
+        fields = Fields(choice, "tool_choice")
+        fields.get("type", one_of(("function",)))
+        function = Fields(fields.get("function", _object, {}), "tool_choice.function")
+        name = function.get("name", text)
+        function.done()
+        fields.done()
+        names = [tool["function"]["name"] for tool in tools]
+        if name not in names:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not one of the tools {names}",
+                              "tool_choice.function.name")
+        return name
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                      "{'name': ...}}", "tool_choice")
+
+
+def _check_logprobs(sampling: Sampling) -> None:
+    if sampling.logprobs and sampling.stream:
+        raise bad_request("logprobs are given in whole (not streamed) responses only", "logprobs",
+                          "unsupported_parameter")
 
 
 def read_message(message: Any, where: str) -> dict:
@@ -342,10 +399,7 @@ def read_tool(tool: Any, where: str) -> dict:
     parameters = function.get("parameters", _object)
     if parameters is not None:
         out["parameters"] = parameters
-    strict = function.get("strict", boolean)
-    if strict:
-        raise bad_request(f"{where}.function.strict: strict schemas are not supported", f"{where}.function.strict",
-                          "unsupported_parameter")
+    function.get("strict", boolean)  # accepted; the arguments are what the model writes (docs/serving.md)
     function.done()
     fields.done()
     return {"type": "function", "function": out}
@@ -360,6 +414,10 @@ def read_completion(body: Any) -> CompletionRequest:
     prompt = fields.get("prompt")
     prompts = read_prompts(prompt)
     sampling = read_sampling(fields, ("max_tokens",))
+    top = fields.get("logprobs", integer(0, MAX_COMPLETION_LOGPROBS))
+    sampling.logprobs, sampling.top_logprobs = top is not None, top or 0
+    sampling.echo = fields.get("echo", boolean, False)
+    _check_logprobs(sampling)
     fields.done()
     return CompletionRequest(model, prompts, sampling)
 

@@ -79,13 +79,30 @@ def precompile(service: Service, *, sample: bool = True):
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-          max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-    """Serve until interrupted (uvicorn handles SIGINT/SIGTERM), then stop the engine."""
+          max_connections: int = DEFAULT_MAX_CONNECTIONS, log_requests: bool = False) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), then stop the engine. The engine is closed as the
+    signal arrives, so that every request in flight ends at once with its shutdown error (an error
+    event in a stream, 503 otherwise) while its connection is still open."""
+    app = create_app(service, api_key, max_body_bytes, body_timeout=body_timeout, log_requests=log_requests)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                            limit_concurrency=max_connections)
     try:
-        uvicorn.run(create_app(service, api_key, max_body_bytes, body_timeout=body_timeout), host=host, port=port,
-                    log_level="warning", timeout_graceful_shutdown=5, limit_concurrency=max_connections)
+        _ClosingServer(config, service.engine).run()
     finally:
         service.engine.close()
+
+
+class _ClosingServer(uvicorn.Server):
+    """uvicorn's server that closes the engine when told to exit (in a thread: closing waits for the
+    engine's current step), before uvicorn waits for the open connections to finish."""
+
+    def __init__(self, config: uvicorn.Config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        threading.Thread(target=self.engine.close, name="clover-jax-shutdown", daemon=True).start()
+        super().handle_exit(sig, frame)
 
 
 class ServerThread:

@@ -8,14 +8,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from typing import Any, AsyncIterator
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.protocol import ChatRequest, CompletionRequest, Sampling
 from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
-from decoding.engine import Engine, EngineEvent, EngineRequest, QueueFull
+from decoding.engine import Engine, EngineClosed, EngineEvent, EngineRequest, QueueFull
 from decoding.layouts import prompt_thinking
-from decoding.modes import strategy
+from decoding.modes import Mode, strategy
+from decoding.scoring import TokenScores, prompt_logprobs, response_logprobs
 
 # The one table from the fields a FieldError names (GenerationConfig fields, `generate`'s and the
 # engine's arguments) to the request parameter a client sent; PROMPT: the messages or the prompt,
@@ -38,6 +41,13 @@ class Prepared:
     request: EngineRequest
     block_size: int | None          # diffusion and self-speculative: the block size it decodes with
     reasoning_opened: bool = False  # the prompt ends inside <think>
+    opening: str = ""               # a forced tool call's opening, which the prompt ends with
+    prompt_text: str | None = None  # completions: the prompt as text (echo)
+
+
+def forced_opening(name: str) -> str:
+    """The text a forced call of function `name` starts with, put at the end of the prompt."""
+    return f"<tool_call>\n<function={name}>\n"
 
 
 class Service:
@@ -48,6 +58,7 @@ class Service:
         self.model, self.tokenizer, self.engine, self.name = model, tokenizer, engine, name
         self.block_sizes = tuple(sorted(set(block_sizes)))
         self.context = engine.max_context
+        self._scoring = threading.Lock()  # one scoring pass at a time beside the engine (memory)
 
     # ------------------------------------------------------------------ requests
     def check_model(self, model: str) -> None:
@@ -55,44 +66,93 @@ class Service:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.name!r}", "model",
                            "model_not_found")
 
-    def prepare_chat(self, chat: ChatRequest) -> Prepared:
+    def prepare_chat(self, chat: ChatRequest) -> list[Prepared]:
         """Render the conversation with the chat template (its tools, `chat_template_kwargs`) and
-        make the engine request; raises ApiError (400) for anything the template or the checks refuse."""
+        make the engine requests, one per choice (`n`); raises ApiError (400) for anything the
+        template or the checks refuse. A forced tool choice closes thinking and ends the prompt with
+        the call's opening (`forced_opening`)."""
         self.check_model(chat.model)
         kwargs = dict(chat.template_kwargs)
+        if chat.forced is not None:
+            kwargs["enable_thinking"] = False
         try:
             text = self.tokenizer.apply_chat_template(chat.messages, tools=chat.tools, add_generation_prompt=True,
                                                       tokenize=False, **kwargs)
         except ValueError as error:
             raise bad_request(f"the chat template refused the messages: {error}", "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
-        prepared = self._prepared(prompt, chat.sampling, "messages")
-        prepared.reasoning_opened = prompt_thinking(prompt, self.engine.defaults)
-        return prepared
+        opening = ""
+        if chat.forced is not None:
+            defaults = self.engine.defaults
+            if prompt_thinking(prompt, defaults):  # a template that ignores enable_thinking: close it here
+                prompt = prompt + self.tokenizer.encode("\n</think>\n\n", add_special_tokens=False)
+            name = chat.forced if chat.forced != "required" else self._likeliest_tool(prompt, chat.tools)
+            opening = forced_opening(name)
+            prompt = prompt + self.tokenizer.encode(opening, add_special_tokens=False)
+        choices = self._prepared(prompt, chat.sampling, "messages")
+        for prepared in choices:
+            prepared.reasoning_opened = prompt_thinking(prompt, self.engine.defaults)
+            prepared.opening = opening
+        return choices
+
+    def _likeliest_tool(self, prompt: list[int], tools: list[dict]) -> str:
+        """The tool whose forced opening has the highest causal log-likelihood after `prompt`."""
+        best, best_score = None, -float("inf")
+        for tool in tools:
+            name = tool["function"]["name"]
+            opening = self.tokenizer.encode(forced_opening(name), add_special_tokens=False)
+            scores = self.prompt_scores(prompt + opening, 0)
+            score = float(scores.logprobs[len(prompt) - 1:].sum())
+            if score > best_score:
+                best, best_score = name, score
+        return best
 
     def prepare_completion(self, completion: CompletionRequest) -> list[Prepared]:
+        """One engine request per prompt and choice: prompt p's choice i is element p * n + i."""
         self.check_model(completion.model)
         prepared = []
         for index, prompt in enumerate(completion.prompts):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise bad_request(f"prompt {index} has no tokens", "prompt")
-            prepared.append(self._prepared(ids, completion.sampling, "prompt"))
+            for one in self._prepared(ids, completion.sampling, "prompt"):
+                one.prompt_text = prompt if isinstance(prompt, str) else None
+                prepared.append(one)
         return prepared
 
-    def _prepared(self, prompt: list[int], sampling: Sampling, where: str) -> Prepared:
+    def _prepared(self, prompt: list[int], sampling: Sampling, where: str) -> list[Prepared]:
+        """The engine requests of one prompt: `sampling.n` of them, choice i with seed + i."""
         overrides = self._overrides(sampling)
         decoder = strategy(sampling.mode)  # the protocol accepted only mode names
         config = self.engine.defaults.replace(**{k: v for k, v in overrides.items() if k != "max_new_tokens"})
         if sampling.max_tokens is None:
             overrides["max_new_tokens"] = self._default_max_tokens(len(prompt), config, decoder)
         seed = sampling.seed if sampling.seed is not None else (secrets.randbits(63) if config.do_sample else 0)
-        request = EngineRequest(prompt, decoder.mode, overrides=overrides, seed=seed)
+        top = sampling.top_logprobs if sampling.logprobs else None
+        # diffusion records each token's figure at the denoising step that decides it; the causal
+        # modes are scored afterwards by one causal pass (decoding.scoring)
+        record = top if decoder.mode == Mode.DIFFUSION else None
+        requests = [EngineRequest(prompt, decoder.mode, overrides=overrides, seed=(seed + i) % 2**63,
+                                  logprobs=record) for i in range(sampling.n)]
         try:
-            self.engine.check(request)
+            self.engine.check(requests[0])
         except ValueError as error:
             raise _refusal(error, where) from None
-        return Prepared(prompt, request, config.block_size if decoder.decodes_blocks else None)
+        return [Prepared(prompt, request, config.block_size if decoder.decodes_blocks else None)
+                for request in requests]
+
+    # ------------------------------------------------------------------ log-probabilities
+    def prompt_scores(self, prompt: list[int], top: int) -> TokenScores:
+        """Scores of prompt[1:] (`decoding.scoring.prompt_logprobs`)."""
+        with self._scoring:
+            return prompt_logprobs(self.model, prompt, self.engine.defaults.mask_token_id, top)
+
+    def response_scores(self, prepared: Prepared, tokens: list[int], top: int) -> TokenScores:
+        """Scores of an autoregressive or self-speculative response (`decoding.scoring.response_logprobs`)."""
+        config = self.engine.check(prepared.request).config
+        with self._scoring:
+            return response_logprobs(self.model, prepared.prompt, tokens, config,
+                                     prompt_thinking(prepared.prompt, config), top)
 
     def _overrides(self, sampling: Sampling) -> dict[str, Any]:
         overrides: dict[str, Any] = {}
@@ -130,31 +190,56 @@ class Service:
 
     # ------------------------------------------------------------------ running
     def submit(self, prepared: Prepared) -> "Submission":
+        return self.submit_all([prepared])[0]
+
+    def submit_all(self, prepared: Sequence[Prepared],
+                   on_finish: Callable[["Submission", EngineEvent], None] | None = None) -> list["Submission"]:
+        """Queue every request together (`Engine.submit_all`): all of them, or none and one 503.
+        on_finish(submission, last event) is called on the event loop as each one finishes."""
+        submissions = [Submission(on_finish) for _ in prepared]
         try:
-            return Submission(self.engine, prepared.request)
+            handles = self.engine.submit_all([one.request for one in prepared], [s.listen for s in submissions])
         except QueueFull as error:
             raise ApiError(503, f"the server is at capacity ({error}); retry later", None, "server_busy") from None
+        except EngineClosed:
+            raise shutting_down() from None
         except ValueError as error:
             raise _refusal(error, "") from None
+        for submission, handle in zip(submissions, handles, strict=True):
+            submission.handle = handle
+        return submissions
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; the request did not complete", None, "server_shutdown")
 
 
 class Submission:
-    """One engine request seen from the event loop: its events as an async iterator."""
+    """One engine request seen from the event loop: its events as an async iterator, and when
+    they came (`submitted`, `first` tokens, `ended`: `time.perf_counter()`)."""
 
-    def __init__(self, engine: Engine, request: EngineRequest):
+    def __init__(self, on_finish: Callable[["Submission", EngineEvent], None] | None = None):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.finished = False
-        self.handle = engine.submit(request, self._listen)
+        self.handle = None
+        self.on_finish = on_finish
+        self.submitted, self.first, self.ended = time.perf_counter(), None, None
 
-    def _listen(self, event: EngineEvent) -> None:  # on the engine's thread
+    def listen(self, event: EngineEvent) -> None:  # on the engine's thread
         if not self.loop.is_closed():  # a closed loop: the server stopped, nobody waits for the event
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[EngineEvent]:
         while not self.finished:
             event = await self.queue.get()
+            if event.tokens and self.first is None:
+                self.first = time.perf_counter()
             self.finished = event.finish is not None
+            if self.finished:
+                self.ended = time.perf_counter()
+                if self.on_finish is not None:
+                    self.on_finish(self, event)
             yield event
 
     def cancel(self) -> None:

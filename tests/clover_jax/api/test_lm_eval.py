@@ -1,6 +1,6 @@
 """The `clover-jax` lm-eval model: `lm_eval.simple_evaluate` on a local task YAML over a JSONL of the
-bundled model's prompts (no network), against direct `generate` calls; log-likelihood requests
-refused; bad model_args refused before loading."""
+bundled model's prompts (no network), against direct `generate` calls; log-likelihoods against a
+plain causal forward; bad model_args refused before loading."""
 
 from __future__ import annotations
 
@@ -83,15 +83,50 @@ def test_simple_evaluate_answers_generate_until_with_generate(harness):
     assert accuracy == sum(text == row["answer"] for text, row in zip(expected, rows, strict=True)) / COUNT
 
 
-def test_loglikelihood_requests_are_refused_with_the_reason(harness):
-    lm_eval, tasks, _, _ = harness
+def test_loglikelihoods_are_those_of_a_plain_causal_forward(harness):
+    """A multiple-choice task scored in process: each choice's log-likelihood is the sum, over its
+    tokens, of log_softmax of one plain causal forward over context + choice (the mask token
+    excluded), and `is_greedy` says whether each of them is the likeliest; rolling too."""
+    import numpy as np
+
+    lm_eval, tasks, rows, _ = harness
     from clover_jax.api.lm_eval_model import CloverLM
 
     model = CloverLM(pretrained=str(BUNDLED_MODEL))
-    with pytest.raises(NotImplementedError, match="no exact log-likelihood"):
-        lm_eval.simple_evaluate(model=model, tasks=["clover_sort_choice"], task_manager=tasks)
-    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
-        model.loglikelihood_rolling([])
+    results = lm_eval.simple_evaluate(model=model, tasks=["clover_sort_choice"], task_manager=tasks, log_samples=True)
+    samples = sorted(results["samples"]["clover_sort_choice"], key=lambda sample: sample["doc_id"])
+    mask = model._special.mask_token_id
+
+    def log_softmax(ids: list[int]) -> np.ndarray:
+        """One plain causal forward (right-padded to a power of two, as the scorer pads, so that the
+        compiled forward is shared; causal, so the padding changes no earlier row), the mask token
+        excluded, in float64."""
+        padded = np.zeros((1, max(16, 1 << (len(ids) - 1).bit_length())), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.asarray(model.model.forward(padded)[0, :len(ids)], np.float64)
+        logits[:, mask] = -np.inf
+        top = logits.max(-1, keepdims=True)
+        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+    def reference(context: str, continuation: str) -> tuple[float, bool]:
+        head = model.tokenizer.encode(context, add_special_tokens=False)  # lm-eval's split: the context
+        tail = model.tokenizer.encode(context + continuation, add_special_tokens=False)[len(head):]  # has no
+        logp = log_softmax(head + tail)
+        rows_ = np.arange(len(head) - 1, len(head) + len(tail) - 1)
+        return float(logp[rows_, tail].sum()), bool((logp[rows_].argmax(-1) == tail).all())
+
+    assert len(samples) == len(rows)
+    for sample in samples:
+        for (context, continuation), response in zip(sample["arguments"], sample["resps"], strict=True):
+            value, greedy = response[0] if isinstance(response[0], (list, tuple)) else response
+            expected, expected_greedy = reference(context, continuation)
+            assert abs(value - expected) <= 1e-4 * max(1.0, abs(expected)), (value, expected)
+            assert greedy == expected_greedy
+    [rolling] = model.loglikelihood_rolling([type("R", (), {"args": ("sort 3 1 2",)})()])
+    eos = model._special.eos_token_id[0]
+    ids = [eos] + model.tokenizer.encode("sort 3 1 2", add_special_tokens=False)
+    logp = log_softmax(ids)
+    assert abs(rolling - logp[np.arange(len(ids) - 1), ids[1:]].sum()) <= 1e-4 * abs(rolling)
 
 
 def test_unknown_model_args_are_refused_before_the_checkpoint_is_read(harness):

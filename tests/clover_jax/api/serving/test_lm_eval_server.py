@@ -29,7 +29,8 @@ def harness(tmp_path_factory, bundled_server):
             message = task.user_message(problem)
             rendered = service.tokenizer.apply_chat_template([{"role": "user", "content": message}],
                                                              add_generation_prompt=True, tokenize=False)
-            rows.append({"prompt": message, "rendered": rendered, "answer": task.answer(problem)})
+            rows.append({"prompt": message, "rendered": rendered, "answer": task.answer(problem),
+                         "choices": [task.answer(problem), "0 1"]})
         root = tmp_path_factory.mktemp("lm_eval_server_tasks")
         data = root / "sort.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -44,6 +45,10 @@ def harness(tmp_path_factory, bundled_server):
             "task: clover_sort_text\ndoc_to_text: '{{rendered}}'\n" + common
             + "filter_list:\n  - name: answer\n    filter:\n      - function: regex\n"
               "        regex_pattern: '</think>\\s*(.*)'\n      - function: take_first\n")
+        (root / "sort_choice.yaml").write_text(  # log-likelihoods: the rendered prompt, then each choice
+            "task: clover_sort_choice\ndoc_to_text: '{{rendered}}'\n" + common.split("output_type")[0]
+            + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: 0\n"
+              "metric_list:\n  - metric: acc\n")
         yield lm_eval, TaskManager(include_path=str(root), include_defaults=False), rows
 
 
@@ -78,3 +83,29 @@ def test_lm_eval_openai_models_against_the_server(bundled_server, harness, kind)
     answers = [text.split("</think>")[-1].strip() for text in texts]
     assert results["results"][f"clover_sort_{kind}"][metric] == sum(
         answer == row["answer"] for answer, row in zip(answers, rows, strict=True)) / COUNT
+
+
+def test_lm_eval_loglikelihoods_through_the_server_equal_the_in_process_models(bundled_server, harness):
+    """A multiple-choice task by lm-eval's `local-completions` (echo and logprobs against the server,
+    token ids sent) and by the in-process `clover-jax` model: the same log-likelihoods and greediness."""
+    import clover_jax
+    import clover_jax.api.lm_eval_model  # noqa: F401  (registers "clover-jax")
+
+    lm_eval, tasks, rows = harness
+    server, _ = bundled_server
+    path = clover_jax.bundled_model_path()
+    remote = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["clover_sort_choice"], task_manager=tasks, log_samples=True,
+        model_args=f"model=tiny-clover,base_url={server.url}/v1/completions,num_concurrent=1,max_retries=1,"
+                   f"tokenizer_backend=huggingface,tokenizer={path}")
+    local = lm_eval.simple_evaluate(model="clover-jax", model_args=f"pretrained={path}", tasks=["clover_sort_choice"],
+                                    task_manager=tasks, log_samples=True)
+    pick = lambda results: [[tuple(response[0]) for response in sample["resps"]] for sample in sorted(
+        results["samples"]["clover_sort_choice"], key=lambda sample: sample["doc_id"])]
+    got, expected = pick(remote), pick(local)
+    assert len(got) == len(rows) and [len(choices) for choices in got] == [2] * len(rows)
+    for over_http, in_process in zip(got, expected, strict=True):
+        for (value, greedy), (reference, reference_greedy) in zip(over_http, in_process, strict=True):
+            assert abs(value - reference) <= 1e-4 * max(1.0, abs(reference)), (value, reference)
+            assert greedy == reference_greedy
+    assert remote["results"]["clover_sort_choice"]["acc,none"] == local["results"]["clover_sort_choice"]["acc,none"]
