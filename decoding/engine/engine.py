@@ -39,6 +39,7 @@ import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
+from decoding.engine.prefix_cache import DEFAULT_GRID, PrefixCache, cached_staging, store_prefix
 from decoding.engine.requests import (
     EngineEvent,
     EngineRequest,
@@ -102,10 +103,11 @@ class _Prefill:
     tracked: Tracked
     lane: LaneKey
     ids: np.ndarray          # int32 [1, padding + prefix]
-    sizes: list[int]         # chunk lengths still to run
+    sizes: list[int] | None  # chunk lengths still to run (None: planned after the prefix cache's lookup)
     staging: Any = None
     last_logits: Any = None
     done_rows: int = 0
+    store_at: int = 0        # the prefix cache keeps the state after this many rows (0: none)
 
 
 class Engine:
@@ -116,11 +118,13 @@ class Engine:
     checkpoint's `generation_config.json`); max_running: requests decoding at once (each lane's
     largest batch); max_queue: requests waiting beyond them; max_context: cache rows per request
     (default: the model's `max_position_embeddings`); prefill_budget: prompt tokens prefilled
-    per iteration (default: the model's prefill chunk).
+    per iteration (default: the model's prefill chunk); prefix_cache_bytes: the prefix cache's
+    budget (0: no cache; `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens.
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
-                 max_context: int | None = None, prefill_budget: int | None = None):
+                 max_context: int | None = None, prefill_budget: int | None = None, prefix_cache_bytes: int = 0,
+                 prefix_cache_grid: int = DEFAULT_GRID):
         for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -131,6 +135,9 @@ class Engine:
                              f"got {max_context!r}")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
         self.prefill_budget = prefill_budget or model.chunk_size
+        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid) if prefix_cache_bytes else None
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
@@ -280,8 +287,11 @@ class Engine:
             tracked = self._queue.popleft()
             prepared = tracked.prepared
             prefix = prepared.prompt[:prefix_length(prepared.lane, len(prepared.prompt))]
-            unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
-            padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
+            if self.prefix_cache is not None and prefix:
+                padding, sizes = 0, None  # no left padding: chunks are planned around the cached prefix
+            else:
+                unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
+                padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
             ids = np.zeros((1, padding + len(prefix)), np.int32)
             ids[0, padding:] = prefix
             tracked.rows = padding + rows_needed(len(prepared.prompt), prepared.config, prepared.mode)
@@ -311,7 +321,12 @@ class Engine:
                 if job.staging is None:
                     padding = job.ids.shape[1] - prefix_length(job.lane, len(job.tracked.prepared.prompt))
                     rows = self._lane(job.lane).rows_for(job.tracked.rows)
-                    job.staging = self._fresh_staging(rows, padding, shared=not job.sizes)
+                    if job.sizes is None:
+                        job.staging, job.done_rows, job.store_at, job.sizes = cached_staging(
+                            self.prefix_cache, self.context, job.tracked.prepared, job.ids, rows, self.model.chunk_size)
+                        job.tracked.cached = job.done_rows
+                    else:
+                        job.staging = self._fresh_staging(rows, padding, shared=not job.sizes)
                 if job.sizes:
                     size = job.sizes.pop(0)
                     chunk = job.ids[:, job.done_rows:job.done_rows + size]
@@ -319,6 +334,8 @@ class Engine:
                                                                  job.staging)
                     job.done_rows += size
                     budget -= size
+                    if job.done_rows == job.store_at:
+                        store_prefix(self.prefix_cache, job.tracked.prepared.prompt, job.store_at, job.staging)
                 if not job.sizes:
                     self._prefills.popleft()
                     ready.setdefault(job.lane, []).append(job)
@@ -413,7 +430,8 @@ class Engine:
             self._release(tracked)
 
     def _stats(self, tracked: Tracked) -> RequestStats:
-        return RequestStats(len(tracked.prepared.prompt), tracked.emitted, tracked.nfe, list(tracked.steps_per_block))
+        return RequestStats(len(tracked.prepared.prompt), tracked.emitted, tracked.nfe, list(tracked.steps_per_block),
+                            cached_tokens=tracked.cached)
 
     def __enter__(self) -> "Engine":
         return self
