@@ -34,11 +34,12 @@ import numpy as np
 from clover_jax.core.state import GDNState, KVCache, ModelState
 from decoding.engine.slots import empty_staging
 from decoding.modes import Mode, strategy
+from decoding.serving_defaults import DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
+
+__all__ = ["DEFAULT_GRID", "DEFAULT_PREFIX_CACHE_BYTES", "Hit", "PrefixCache", "cached_staging", "store_prefix"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_CACHE_BYTES = 2 << 30  # 2 GiB
-DEFAULT_GRID = 32
 
 
 def _nbytes(tree: Any) -> int:
