@@ -39,7 +39,7 @@ import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
-from decoding.engine.prefix_cache import DEFAULT_GRID, PrefixCache, cached_staging, store_prefix
+from decoding.engine.prefix_cache import DEFAULT_GRID, Boundary, PrefixCache, cached_staging, follow_step, store_prefix
 from decoding.engine.requests import (
     EngineEvent,
     EngineRequest,
@@ -287,6 +287,8 @@ class Engine:
             tracked = self._queue.popleft()
             prepared = tracked.prepared
             prefix = prepared.prompt[:prefix_length(prepared.lane, len(prepared.prompt))]
+            if self.prefix_cache is not None:
+                tracked.boundary = Boundary()
             if self.prefix_cache is not None and prefix:
                 padding, sizes = 0, None  # no left padding: chunks are planned around the cached prefix
             else:
@@ -378,6 +380,7 @@ class Engine:
                 continue
             try:
                 lane.fit()
+                committing = [tracked for tracked in lane.requests() if tracked.commits]
                 outcomes = lane.step()
             except Exception as error:
                 logger.exception("a step of lane %s failed; failing its %d requests", key, lane.live)
@@ -387,6 +390,8 @@ class Engine:
                     self._fail(tracked, f"decoding step failed: {type(error).__name__}: {error}")
                 continue
             self.steps += 1
+            if self.prefix_cache is not None:
+                follow_step(self.prefix_cache, lane, committing, outcomes)
             for outcome in outcomes:
                 self._report(outcome)
 

@@ -65,6 +65,7 @@ class Tracked:
     lane: LaneKey | None = None         # set when it joins a lane
     done: bool = False                  # its last event was delivered
     cached: int = 0                     # prompt tokens restored from the prefix cache
+    boundary: Any = None                # with a prefix cache: `prefix_cache.Boundary`
 
 
 @dataclasses.dataclass

@@ -259,3 +259,72 @@ def store_prefix(cache: PrefixCache, tokens: Sequence[int], length: int, state: 
                     gdn=lambda: gdn_states(state))
     except Exception:
         logger.exception("storing a prefix of %d tokens in the prefix cache failed", length)
+
+
+# ---------------------------------------------------------------------- finished requests
+@dataclasses.dataclass
+class Boundary:
+    """What the engine follows of a decoding request for the cache: its response so far, the blocks
+    it committed (diffusion), and its state's GDN states at `length`, the last grid boundary its
+    state stood on after a step (None: none yet)."""
+
+    response: list = dataclasses.field(default_factory=list)
+    committed: int = 0
+    length: int = 0
+    gdn: Any = None
+
+
+def state_rows(prepared, boundary: Boundary) -> int:
+    """Rows a decoding request's slot state holds after a step that did not finish it (no left
+    padding): the prompt and response so far (autoregressive), all but the pending last token
+    (self-speculative), the prompt blocks and committed blocks (diffusion)."""
+    prompt = len(prepared.prompt)
+    if prepared.mode == Mode.DIFFUSION:
+        size = prepared.lane.block_size
+        return prompt - prompt % size + boundary.committed * size
+    return prompt + len(boundary.response) - int(prepared.mode == Mode.SELF_SPECULATIVE)
+
+
+def follow_step(cache: PrefixCache, lane, committing: list, outcomes: list) -> None:
+    """After a lane's step: note each request's new tokens and commits, take the GDN states of a
+    slot whose state now stands on a grid boundary, and keep the prefix of every request that
+    finished (eos or length) at its last boundary — before the engine frees its slot."""
+    for tracked in committing:
+        tracked.boundary.committed += 1
+    ended = {}
+    for outcome in outcomes:
+        outcome.tracked.boundary.response.extend(outcome.tokens)
+        if outcome.finish is not None:
+            ended[id(outcome.tracked)] = outcome.finish
+    for slot, tracked in enumerate(lane.occupants):
+        if tracked is None or tracked.boundary is None:
+            continue
+        boundary = tracked.boundary
+        if id(tracked) not in ended:
+            rows = state_rows(tracked.prepared, boundary)
+            if rows % cache.grid == 0 and rows > boundary.length:
+                boundary.length, boundary.gdn = rows, slot_gdn(lane.slots.model, jnp.int32(slot))
+        elif ended[id(tracked)] in ("eos", "length") and boundary.gdn is not None:
+            model, tokens = lane.slots.model, list(tracked.prepared.prompt) + boundary.response
+            rows_of = functools.partial(slot_kv_rows, model, jnp.int32(slot), rows=cache.grid)
+            try:
+                cache.store(tokens, boundary.length, gdn=lambda boundary=boundary: boundary.gdn,
+                            kv_rows=lambda row, rows_of=rows_of: rows_of(jnp.int32(row)))
+            except Exception:
+                logger.exception("keeping a finished request's prefix in the prefix cache failed")
+
+
+@jax.jit
+def slot_gdn(state: ModelState, slot: jax.Array) -> dict[str, GDNState]:
+    """One slot's GDN states of a lane's state, without the slot axis (copies)."""
+    return {name: GDNState(layer.conv[:, slot], layer.recurrent[:, slot])
+            for name, layer in state.layers.items() if isinstance(layer, GDNState)}
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def slot_kv_rows(state: ModelState, slot: jax.Array, row: jax.Array, rows: int) -> dict[str, KVCache]:
+    """Rows [row, row + rows) of one slot's K/V caches: {layer: KVCache [groups, rows, heads, dim]}."""
+    def cut(a):
+        return jax.lax.dynamic_slice_in_dim(jnp.take(a, slot, axis=1), row, rows, axis=1)
+    return {name: KVCache(cut(layer.key), cut(layer.value))
+            for name, layer in state.layers.items() if isinstance(layer, KVCache)}

@@ -44,12 +44,21 @@ def model(small_clover_checkpoint):
     return CloverModel(loaded.config, params, loaded.dtype, loaded.path)
 
 
+def follow_up(first_turn) -> list[int]:
+    """The next turn of a harness: the first turn's prompt, its response and a tool result."""
+    return TURNS[0][0] + first_turn.tokens + [33, 34, 35, 36, 37]
+
+
 @pytest.fixture(scope="module")
 def without_cache(model, controls_config):
-    """Every turn of every mode decoded by an engine without a cache, one request at a time."""
+    """Every turn of every mode decoded by an engine without a cache, one request at a time, then
+    the follow-up of the first turn."""
     with Engine(model, controls_config, max_running=2) as engine:
-        return {mode: [engine.run([request(prompt, mode)], timeout=600)[0] for prompt, _ in TURNS]
-                for mode in MODES}
+        results = {mode: [engine.run([request(prompt, mode)], timeout=600)[0] for prompt, _ in TURNS]
+                   for mode in MODES}
+        for mode in MODES:
+            results[mode].append(engine.run([request(follow_up(results[mode][0]), mode)], timeout=600)[0])
+        return results
 
 
 def same(result, reference) -> bool:
@@ -64,8 +73,14 @@ def test_cached_prefixes_decode_as_without_the_cache(model, controls_config, wit
             result = engine.run([request(prompt, mode)], timeout=600)[0]
             assert same(result, without_cache[mode][turn]), (mode, turn)
             assert result.stats.cached_tokens == restored[MODES.index(mode)], (mode, turn)
+        # the first turn's prompt, response and more: the finished first turn kept its state at 24
+        # (diffusion: its first block committed; autoregressive: 3 response tokens in), where its prompt
+        # kept 16; a self-speculative round lands on a grid boundary or not
+        result = engine.run([request(follow_up(without_cache[mode][0]), mode)], timeout=600)[0]
+        assert same(result, without_cache[mode][-1])
+        assert result.stats.cached_tokens == 24 or mode == "self_speculative" and result.stats.cached_tokens >= 16
         cache = engine.prefix_cache
-        assert cache.hits == sum(restored[MODES.index(mode)] > 0 for _, restored in TURNS)
+        assert cache.hits == sum(restored[MODES.index(mode)] > 0 for _, restored in TURNS) + 1
         assert cache.nbytes == cache.held_bytes() > 0
         assert engine.running() == 0 and engine.queued() == 0
 
