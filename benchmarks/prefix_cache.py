@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--base", type=int, default=256, help="turn 1's prompt tokens")
     parser.add_argument("--step", type=int, default=256, help="tokens each turn adds (the reply and a tool result)")
-    parser.add_argument("--new", type=int, default=32, help="max_new_tokens of every turn")
+    parser.add_argument("--new", type=int, default=16, help="max_new_tokens of every turn")
     parser.add_argument("--quick", action="store_true", help="smoke test: a small model, short turns, one round")
     args = parser.parse_args(argv)
     from benchmarks.forward_cost import MEDIUM, QUICK
