@@ -135,8 +135,10 @@ class Engine:
                              f"got {max_context!r}")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
         self.prefill_budget = prefill_budget or model.chunk_size
-        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
-            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r}")
+        for name, value, low in (("prefix_cache_bytes", prefix_cache_bytes, 0),
+                                 ("prefix_cache_grid", prefix_cache_grid, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid) if prefix_cache_bytes else None
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \

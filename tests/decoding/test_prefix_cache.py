@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from clover_jax.api.serving.responses import prompt_tokens_details
 from decoding.engine import Engine, EngineRequest
 from decoding.engine.prefix_cache import PrefixCache, binary_plan
 
@@ -79,6 +80,7 @@ def test_cached_prefixes_decode_as_without_the_cache(model, controls_config, wit
         result = engine.run([request(follow_up(without_cache[mode][0]), mode)], timeout=600)[0]
         assert same(result, without_cache[mode][-1])
         assert result.stats.cached_tokens == 24 or mode == "self_speculative" and result.stats.cached_tokens >= 16
+        assert prompt_tokens_details([result.stats, None]) == {"cached_tokens": result.stats.cached_tokens}
         cache = engine.prefix_cache
         assert cache.hits == sum(restored[MODES.index(mode)] > 0 for _, restored in TURNS) + 1
         assert cache.nbytes == cache.held_bytes() > 0
