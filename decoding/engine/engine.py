@@ -11,10 +11,13 @@ Each iteration of the engine's loop, at a step boundary:
    beyond; `submit` raises `QueueFull` past `max_queue`);
 3. prefills: causal chunks of admitted prompts on one-sequence staging states, up to
    `prefill_budget` tokens per iteration (`decoding.engine.slots.chunk_plan`); a prompt whose
-   prefill is done joins a lane (`decoding.engine.lanes`);
+   prefill is done joins a lane (`decoding.engine.lanes`); with a prefix cache
+   (`decoding.engine.prefix_cache`) a prompt starts from the longest prefix the cache keeps
+   within its causal prefix, and the state at its last grid boundary is kept;
 4. steps every lane that holds requests: one compiled call each (a denoising step of every
    block in flight, a token of every autoregressive request, a self-speculative round), and
-   hands each request its new tokens; a finished or cancelled request leaves its slot.
+   hands each request its new tokens; a finished or cancelled request leaves its slot (with a
+   prefix cache, a finished one's prompt and response are kept first, to their last grid boundary).
 
 Requests never wait for each other: a request that joins starts at the next step, and one that
 finishes frees its slot for the next in the queue. Each request decodes exactly what `generate`
