@@ -126,6 +126,29 @@ def render_serving(j: dict):
     return lines, summary
 
 
+def render_prefix_cache(j: dict):
+    lines = [f"An agent's conversation on the random model ({', '.join(f'{k} {v}' for k, v in j['config'].items())}): "
+             f"turn 1's prompt {j['base']} tokens, each later turn adding {j['step']} (the previous reply and a tool "
+             f"result), max_new_tokens {j['max_new_tokens']}; one engine with the prefix cache (default budget and "
+             f"grid), one without, in one process; {j['rounds']} rounds of fresh transcripts, medians. Time to first "
+             "token: submit to the first response tokens the engine hands back. Load average before/after: "
+             f"{', '.join(f(x, 2) for x in j['load_average_before'])} / "
+             f"{', '.join(f(x, 2) for x in j['load_average_after'])}.", ""]
+    summary = []
+    for mode, result in j["modes"].items():
+        with_cache, without = result["per_turn"]["with_cache"], result["per_turn"]["without_cache"]
+        lines += [f"**{mode}** (replies equal with and without the cache: {f(result['replies_equal_fraction'])} of "
+                  "turns)", ""]
+        lines += table(["turn", "prompt tokens", "restored from the cache", "first token s, with", "without",
+                        "without / with"],
+                       [[t + 1, a["prompt_tokens"], f(a["cached_tokens"]), f(a["first_token_s"]),
+                         f(b["first_token_s"]), f(b["first_token_s"] / a["first_token_s"])]
+                        for t, (a, b) in enumerate(zip(with_cache, without, strict=True))])
+        summary.append(["prefix_cache", f"{mode}: turn {j['turns']} time to first token, without / with the cache",
+                        f(result["last_turn_speedup"])])
+    return lines, summary
+
+
 def render_forward_cost(j: dict):
     g, s, a = j["generate"], j["step"], j["autoregressive_steady"]
     lines = [f"Random model: {j['config']}, {j['parameters'] / 1e6:.0f} M parameters, {j['dtype']}, torch threads "
@@ -367,7 +390,8 @@ def render_lora(j: dict):
     return lines, [["lora", f"{r['method']}: held-out exact match", f(r["full_match"])] for r in j["results"]]
 
 
-RENDER = {"decoding": render_decoding, "serving": render_serving, "training": render_training,
+RENDER = {"decoding": render_decoding, "serving": render_serving, "prefix_cache": render_prefix_cache,
+          "training": render_training,
           "soak": render_soak, "lora": render_lora,
           "forward_cost": render_forward_cost,
           "expert_scaling": render_expert_scaling, "context_scaling": render_context,
@@ -378,6 +402,8 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
                       "(`benchmarks/decoding.py`)",
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
                      "(`benchmarks/serving.py`)",
+          "prefix_cache": "Prefix cache: an agent's growing transcript with and without it "
+                          "(`benchmarks/prefix_cache.py`)",
           "training": "Training: the one-pass objective vs one block per example (`benchmarks/training.py`)",
           "soak": "Soak: one server under mixed requests (`benchmarks/soak.py`)",
           "lora": "LoRA and QLoRA vs full fine-tuning on a new task variant (`benchmarks/lora.py`)",

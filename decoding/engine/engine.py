@@ -11,10 +11,13 @@ Each iteration of the engine's loop, at a step boundary:
    beyond; `submit` raises `QueueFull` past `max_queue`);
 3. prefills: causal chunks of admitted prompts on one-sequence staging states, up to
    `prefill_budget` tokens per iteration (`decoding.engine.slots.chunk_plan`); a prompt whose
-   prefill is done joins a lane (`decoding.engine.lanes`);
+   prefill is done joins a lane (`decoding.engine.lanes`); with a prefix cache
+   (`decoding.engine.prefix_cache`) a prompt starts from the longest prefix the cache keeps
+   within its causal prefix, and the state at its last grid boundary is kept;
 4. steps every lane that holds requests: one compiled call each (a denoising step of every
    block in flight, a token of every autoregressive request, a self-speculative round), and
-   hands each request its new tokens; a finished or cancelled request leaves its slot.
+   hands each request its new tokens; a finished or cancelled request leaves its slot (with a
+   prefix cache, a finished one's prompt and response are kept first, to their last grid boundary).
 
 Requests never wait for each other: a request that joins starts at the next step, and one that
 finishes frees its slot for the next in the queue. Each request decodes exactly what `generate`
@@ -40,6 +43,7 @@ import numpy as np
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from decoding.engine import precompile as precompiling
 from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
+from decoding.engine.prefix_cache import DEFAULT_GRID, Boundary, PrefixCache, cached_staging, follow_step, store_prefix
 from decoding.engine.requests import (
     EngineEvent,
     EngineRequest,
@@ -103,10 +107,11 @@ class _Prefill:
     tracked: Tracked
     lane: LaneKey
     ids: np.ndarray          # int32 [1, padding + prefix]
-    sizes: list[int]         # chunk lengths still to run
+    sizes: list[int] | None  # chunk lengths still to run (None: planned after the prefix cache's lookup)
     staging: Any = None
     last_logits: Any = None
     done_rows: int = 0
+    store_at: int = 0        # the prefix cache keeps the state after this many rows (0: none)
 
 
 class Engine:
@@ -117,11 +122,13 @@ class Engine:
     checkpoint's `generation_config.json`); max_running: requests decoding at once (each lane's
     largest batch); max_queue: requests waiting beyond them; max_context: cache rows per request
     (default: the model's `max_position_embeddings`); prefill_budget: prompt tokens prefilled
-    per iteration (default: the model's prefill chunk).
+    per iteration (default: the model's prefill chunk); prefix_cache_bytes: the prefix cache's
+    budget (0: no cache; `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens.
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
-                 max_context: int | None = None, prefill_budget: int | None = None):
+                 max_context: int | None = None, prefill_budget: int | None = None, prefix_cache_bytes: int = 0,
+                 prefix_cache_grid: int = DEFAULT_GRID):
         for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -137,6 +144,11 @@ class Engine:
                              f"axis), got {dict(mesh_sharding.mesh.shape)}; put the devices on expert and tensor")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
         self.prefill_budget = prefill_budget or model.chunk_size
+        for name, value, low in (("prefix_cache_bytes", prefix_cache_bytes, 0),
+                                 ("prefix_cache_grid", prefix_cache_grid, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid) if prefix_cache_bytes else None
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
@@ -301,8 +313,13 @@ class Engine:
             tracked = self._queue.popleft()
             prepared = tracked.prepared
             prefix = prepared.prompt[:prefix_length(prepared.lane, len(prepared.prompt))]
-            unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
-            padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
+            if self.prefix_cache is not None:
+                tracked.boundary = Boundary()
+            if self.prefix_cache is not None and prefix:
+                padding, sizes = 0, None  # no left padding: chunks are planned around the cached prefix
+            else:
+                unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
+                padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
             ids = np.zeros((1, padding + len(prefix)), np.int32)
             ids[0, padding:] = prefix
             tracked.rows = padding + rows_needed(len(prepared.prompt), prepared.config, prepared.mode)
@@ -332,7 +349,12 @@ class Engine:
                 if job.staging is None:
                     padding = job.ids.shape[1] - prefix_length(job.lane, len(job.tracked.prepared.prompt))
                     rows = self._lane(job.lane).rows_for(job.tracked.rows)
-                    job.staging = self._fresh_staging(rows, padding, shared=not job.sizes)
+                    if job.sizes is None:
+                        job.staging, job.done_rows, job.store_at, job.sizes = cached_staging(
+                            self.prefix_cache, self.context, job.tracked.prepared, job.ids, rows, self.model.chunk_size)
+                        job.tracked.cached = job.done_rows
+                    else:
+                        job.staging = self._fresh_staging(rows, padding, shared=not job.sizes)
                 if job.sizes:
                     size = job.sizes.pop(0)
                     chunk = job.ids[:, job.done_rows:job.done_rows + size]
@@ -342,6 +364,8 @@ class Engine:
                                                                      job.staging)
                     job.done_rows += size
                     budget -= size
+                    if job.done_rows == job.store_at:
+                        store_prefix(self.prefix_cache, job.tracked.prepared.prompt, job.store_at, job.staging)
                 if not job.sizes:
                     self._prefills.popleft()
                     ready.setdefault(job.lane, []).append(job)
@@ -387,6 +411,7 @@ class Engine:
             try:
                 with precompiling.on_demand(self, f"step of {key}", lane):
                     lane.fit()
+                    committing = [tracked for tracked in lane.requests() if tracked.commits]
                     outcomes = lane.step()
             except Exception as error:
                 logger.exception("a step of lane %s failed; failing its %d requests", key, lane.live)
@@ -396,6 +421,8 @@ class Engine:
                     self._fail(tracked, f"decoding step failed: {type(error).__name__}: {error}")
                 continue
             self.steps += 1
+            if self.prefix_cache is not None:
+                follow_step(self.prefix_cache, lane, committing, outcomes)
             for outcome in outcomes:
                 self._report(outcome)
 
@@ -440,7 +467,8 @@ class Engine:
             self._release(tracked)
 
     def _stats(self, tracked: Tracked) -> RequestStats:
-        return RequestStats(len(tracked.prepared.prompt), tracked.emitted, tracked.nfe, list(tracked.steps_per_block))
+        return RequestStats(len(tracked.prepared.prompt), tracked.emitted, tracked.nfe, list(tracked.steps_per_block),
+                            cached_tokens=tracked.cached)
 
     def __enter__(self) -> "Engine":
         return self

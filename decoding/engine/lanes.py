@@ -64,6 +64,8 @@ class Tracked:
     rows: int = 0                       # cache rows it needs: padding + prompt + response (+ a draft)
     lane: LaneKey | None = None         # set when it joins a lane
     done: bool = False                  # its last event was delivered
+    cached: int = 0                     # prompt tokens restored from the prefix cache
+    boundary: Any = None                # with a prefix cache: `prefix_cache.Boundary`
 
 
 @dataclasses.dataclass

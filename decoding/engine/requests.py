@@ -80,6 +80,7 @@ class RequestStats:
     completion_tokens: int
     nfe: int
     steps_per_block: list[int]
+    cached_tokens: int = 0      # prompt tokens whose state came from the prefix cache
 
     @property
     def tokens_per_forward(self) -> float:

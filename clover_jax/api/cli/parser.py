@@ -13,6 +13,7 @@ from clover_jax.api.cli.info import run_info, run_plan
 from clover_jax.api.cli.render import MASK_GLYPH, REJECTED_MARK
 from clover_jax.api.cli.serve import run_serve
 from decoding.modes import MODES
+from decoding.serving_defaults import DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a request body not complete this long after it starts is answered 408 (default 30)")
     serve.add_argument("--max-connections", type=int_arg, default=1024, metavar="N",
                        help="open connections served at once, the arriving one counted; 503 beyond (default 1024)")
+    serve.add_argument("--prefix-cache-gb", type=float_arg, default=DEFAULT_PREFIX_CACHE_BYTES / 2**30, metavar="GIB",
+                       help="device memory for the prefix cache, in GiB (default "
+                            f"{DEFAULT_PREFIX_CACHE_BYTES / 2**30:g}; 0 turns it off)")
+    serve.add_argument("--prefix-cache-grid", type=int_arg, default=DEFAULT_GRID, metavar="TOKENS",
+                       help="the prefix cache keeps GDN states at multiples of this many tokens "
+                            f"(default {DEFAULT_GRID})")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
     serve.add_argument("--precompile", action="store_true",

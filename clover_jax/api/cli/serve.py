@@ -28,6 +28,10 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.prefix_cache_gb >= 0:
+        raise UsageError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if args.prefix_cache_grid < 1:
+        raise UsageError(f"--prefix-cache-grid must be >= 1, got {args.prefix_cache_grid}")
     sizes = None
     if args.block_sizes is not None:
         try:
@@ -52,7 +56,9 @@ def run_serve(args: argparse.Namespace) -> int:
     service = build_service(str(model), name=name, max_running=args.max_running, max_queue=args.max_queue,
                             max_context=args.max_context, block_sizes=sizes, dtype=args.dtype,
                             revision=args.revision if is_hub_snapshot(args.model) else None,
-                            quantize=placement.quantize, adapter=args.adapter, mesh=placement.mesh_shape)
+                            quantize=placement.quantize, adapter=args.adapter, mesh=placement.mesh_shape,
+                            prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
+                            prefix_cache_grid=args.prefix_cache_grid)
     if args.precompile:
         done = precompile(service)
         print(f"clover-jax serve: precompiled {done.programs} programs in {done.seconds:.1f} s ({done.covers})",

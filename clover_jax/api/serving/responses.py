@@ -142,3 +142,9 @@ class Message:
         if self.calls:
             message["tool_calls"] = self.calls
         return message
+
+
+def prompt_tokens_details(stats: Sequence[Any]) -> dict[str, int]:
+    """OpenAI's `usage.prompt_tokens_details` for the engine's `RequestStats` of a response's
+    choices: `cached_tokens`, the prompt tokens whose state came from the prefix cache."""
+    return {"cached_tokens": sum(one.cached_tokens for one in stats if one is not None)}

@@ -16,6 +16,7 @@ import uvicorn
 
 from clover_jax.api.serving.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, create_app
 from clover_jax.api.serving.service import Service
+from decoding.engine.prefix_cache import DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 def build_service(path: str, *, name: str | None = None, max_running: int = 8, max_queue: int = 64,
                   max_context: int | None = None, block_sizes: tuple[int, ...] | None = None, dtype=None,
                   revision: str | None = None, progress: bool = False, quantize: str | None = None,
-                  adapter: str | None = None, mesh=None, target: str | None = None) -> Service:
+                  adapter: str | None = None, mesh=None, target: str | None = None,
+                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                  prefix_cache_grid: int = DEFAULT_GRID) -> Service:
     """Load the checkpoint (a directory or a Hub id) and start its engine.
 
     name: the model's name in the API (default: `path` as given); block_sizes: the block sizes a
@@ -38,7 +41,9 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     checkpoint (merged while loading; its tokenizer and generation config are the model's);
     mesh: "DATA,EXPERT,TENSOR" (or three sizes) over this process's devices, DATA 1; target:
     "auto", the format and mesh `clover_jax.plan` recommends for these devices at `max_context`
-    positions and `max_running` sequences (`clover_jax.api.placement`; not with quantize or mesh)."""
+    positions and `max_running` sequences (`clover_jax.api.placement`; not with quantize or mesh);
+    prefix_cache_bytes: the engine's prefix cache budget (0: none), prefix_cache_grid: its grid in
+    tokens (`decoding.engine.prefix_cache`)."""
     from clover_jax.api.clover_model import CloverModel
     from clover_jax.api.placement import resolve_placement
     from clover_jax.api.tokenization import Tokenizer
@@ -53,7 +58,8 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     tokenizer = Tokenizer.from_pretrained(adapter) if adapter else Tokenizer.from_pretrained(path, revision=revision)
     model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, adapter=adapter,
                                         **placement.load_options())
-    engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context)
+    engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
+                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid)
     sizes = tuple(block_sizes) if block_sizes else tuple(sorted({engine.defaults.block_size, *DEFAULT_BLOCK_SIZES}))
     return Service(model, tokenizer, engine, name or str(path), sizes)
 

@@ -127,6 +127,7 @@ def test_generate_autoregressive_without_thinking(checkpoint):
     (["generate", "--adapter", "/no/such/adapter", "hi"], 2, "--adapter '/no/such/adapter' is not a directory"),
     (["serve", "--quantize", "int4-gx"], 2, "--quantize: quantize='int4-gx'"),
     (["serve", "--body-timeout", "0"], 2, "--body-timeout must be > 0 seconds"),
+    (["serve", "--prefix-cache-grid", "0"], 2, "--prefix-cache-grid must be >= 1, got 0"),
 ])
 def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, message):
     if "--model" not in args and "--revision" not in args and args[0] == "generate":
