@@ -35,7 +35,7 @@ def compiled(tmp_path_factory):
                          "python -m clover_jax.parallel.compilers install (make test does)")
     out = str(tmp_path_factory.mktemp("kernels") / "compiled.json")
     subprocess.run([sys.executable, "-m", "tests.pallas_kernels.compile_kernels_run", out], check=True,
-                   env=subprocess_environment(dict(os.environ, CLOVER_JAX_CACHE_DIR="")), timeout=1200, cwd=ROOT,
+                   env=subprocess_environment(dict(os.environ, CLOVER_JAX_CACHE_DIR="")), timeout=2400, cwd=ROOT,
                    capture_output=True)
     with open(out) as handle:
         return json.load(handle)
