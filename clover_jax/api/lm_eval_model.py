@@ -29,6 +29,7 @@ checkpoint's first EOS token, in windows of the model's context.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from typing import Any
@@ -150,7 +151,7 @@ class CloverLM(LM):
             raise ValueError("the checkpoint has no EOS token to start an empty context from")
         return int(eos[0])
 
-    @property
+    @functools.cached_property
     def _special(self) -> GenerationConfig:
         """The model args' config with the checkpoint's special token ids (mask, EOS)."""
         return self.config.with_token_ids(self.model.config, self.pretrained)

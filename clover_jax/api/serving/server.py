@@ -99,15 +99,26 @@ def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: 
 
 
 class _ClosingServer(uvicorn.Server):
-    """uvicorn's server that closes the engine when told to exit (in a thread: closing waits for the
-    engine's current step), before uvicorn waits for the open connections to finish."""
+    """uvicorn's server that, told to exit, closes the engine first (on a thread: closing waits for
+    the engine's current step, a compile included), so that every request it held gets its
+    shutdown error while the connections are open; then uvicorn's own exit runs (it finishes the
+    open connections within `timeout_graceful_shutdown`). A second signal is uvicorn's at once."""
 
     def __init__(self, config: uvicorn.Config, engine):
         super().__init__(config)
         self.engine = engine
+        self.closing: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        threading.Thread(target=self.engine.close, name="clover-jax-shutdown", daemon=True).start()
+        if self.closing is not None:
+            super().handle_exit(sig, frame)
+            return
+        self.closing = threading.Thread(target=self._close_then_exit, args=(sig, frame), name="clover-jax-shutdown",
+                                        daemon=True)
+        self.closing.start()
+
+    def _close_then_exit(self, sig, frame) -> None:
+        self.engine.close()
         super().handle_exit(sig, frame)
 
 

@@ -1,5 +1,5 @@
 """`clover-jax serve` as a user starts it: a subprocess on 127.0.0.1 with an API key, answering the
-`openai` client, then stopped."""
+`openai` client (request ids echoed and logged with --log-requests), then stopped."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def free_port() -> int:
 def test_clover_jax_serve_answers_the_openai_client():
     port, key = free_port(), "local-key"
     command = [sys.executable, "-m", "clover_jax.api.cli", "serve", "--port", str(port), "--api-key", key,
-               "--max-running", "2", "--no-warmup"]
+               "--max-running", "2", "--no-warmup", "--log-requests"]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -40,13 +40,18 @@ def test_clover_jax_serve_answers_the_openai_client():
             process.poll() is not None else "no answer"
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 401
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-        reply = client.chat.completions.create(model="tiny-clover", max_tokens=32,
-                                               messages=[{"role": "user", "content": "sort 3 1 4 1 5"}])
-        assert reply.choices[0].message.content == "1 1 3 4 5"
+        reply = client.chat.completions.with_raw_response.create(
+            model="tiny-clover", max_tokens=32, messages=[{"role": "user", "content": "sort 3 1 4 1 5"}],
+            extra_headers={"X-Request-Id": "cli-trace-1"})
+        assert reply.headers["x-request-id"] == "cli-trace-1"
+        assert reply.parse().choices[0].message.content == "1 1 3 4 5"
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-    assert "serving 'tiny-clover' at http://127.0.0.1" in process.stderr.read()
+    stderr = process.stderr.read()
+    assert "serving 'tiny-clover' at http://127.0.0.1" in stderr
+    # --log-requests: one line per request, with its status and id
+    assert "POST /v1/chat/completions 200" in stderr and "id=cli-trace-1" in stderr, stderr

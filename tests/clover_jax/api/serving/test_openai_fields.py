@@ -7,6 +7,7 @@ completion that is all-or-nothing, and a shutdown that ends requests with its er
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -259,16 +260,28 @@ def test_a_multi_prompt_completion_is_all_or_nothing_and_shutdown_ends_requests_
     two = httpx.post(server.url + "/v1/completions", json={**completion, "prompt": ["a", "b"]}, timeout=300)
     assert two.status_code == 200 and len(two.json()["choices"]) == 2
 
-    # shutdown: a streamed request ends with an OpenAI error event, a whole one with a 503 body
+    # shutdown as `serve` runs it (SIGTERM to its uvicorn server closes the engine first): a streamed
+    # request ends with an OpenAI error event, a whole one with a 503 body, and later ones get 503s
+    import uvicorn
+
+    from clover_jax.api.serving.app import create_app
+    from clover_jax.api.serving.server import _ClosingServer
+
+    closing = _ClosingServer(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning",
+                                            lifespan="off", timeout_graceful_shutdown=5), engine)
+    runner = threading.Thread(target=closing.run, daemon=True)
+    runner.start()
+    while not closing.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{closing.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
     results: dict = {}
 
     def streamed():
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "stream": True},
-                          timeout=300) as response:
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=300) as response:
             results["events"] = [line for line in response.iter_lines() if line.startswith("data: ")]
 
     def whole():
-        results["whole"] = httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=300)
+        results["whole"] = httpx.post(url, json=LONG, timeout=300)
 
     threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
     for thread in threads:
@@ -277,12 +290,13 @@ def test_a_multi_prompt_completion_is_all_or_nothing_and_shutdown_ends_requests_
     while engine.running() + engine.queued() < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
-    engine.close()
-    for thread in threads:
+    closing.handle_exit(signal.SIGTERM, None)
+    for thread in threads + [runner]:
         thread.join(timeout=60)
     error = json.loads(results["events"][-2][len("data: "):])
     assert results["events"][-1] == "data: [DONE]" and error["error"]["code"] == "server_shutdown", results["events"]
     assert not any('"finish_reason": "stop"' in line for line in results["events"])
     assert results["whole"].status_code == 503 and results["whole"].json()["error"]["code"] == "server_shutdown"
+    assert not runner.is_alive()  # uvicorn finished the connections and exited
     after = httpx.post(server.url + "/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
     assert after.status_code == 503 and after.json()["error"]["code"] == "server_shutdown"
