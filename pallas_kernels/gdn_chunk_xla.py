@@ -35,10 +35,10 @@ def float32_inputs(query, key, value, decay, beta, initial_state):
 
 
 def unit_lower_inverse(strictly_lower: jax.Array) -> jax.Array:
-    """(I + N)^-1 for strictly lower-triangular N [..., c, c], by matmuls only.
+    """(I + N)^-1 for strictly lower-triangular N [..., c, c], by matrix products only.
 
     N is nilpotent (N^c = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(c/2)):
-    log2(c) batched matmuls instead of a triangular solve (whose LAPACK custom call on XLA:CPU
+    log2(c) products instead of a triangular solve (whose LAPACK custom call on XLA:CPU
     deadlocked inside parallel regions here, and which is slow on accelerators).
     """
     size = strictly_lower.shape[-1]
@@ -46,10 +46,21 @@ def unit_lower_inverse(strictly_lower: jax.Array) -> jax.Array:
     inverse, power = identity - strictly_lower, strictly_lower
     reach = 2
     while reach < size:
-        power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_EXACT)
-        inverse = jnp.einsum("...ij,...jk->...ik", inverse, identity + power, precision=_EXACT)
+        power = _small_matmul(power, power)
+        inverse = _small_matmul(inverse, identity + power)
         reach *= 2
     return inverse
+
+
+def _small_matmul(left: jax.Array, right: jax.Array) -> jax.Array:
+    """left @ right for stacks of chunk-sized matrices [..., c, c], as a float32 multiply and sum.
+
+    Not a dot: XLA:TPU turns a HIGHEST-precision batched dot of such small matrices (and its
+    derivatives) into a base-dilated convolution whose backend code is megabytes, and compiling
+    the differentiated rule then took minutes; the elementwise form compiles in moments, is exact
+    float32 on every platform, and its c^3 work per matrix is small beside the chunk's other matmuls.
+    """
+    return jnp.sum(left[..., :, :, None] * right[..., None, :, :], axis=-2)
 
 
 def chunk_scan(query, key, value, decay, beta, state, *, chunk_size: int, resets: jax.Array | None = None):
@@ -67,42 +78,57 @@ def chunk_scan(query, key, value, decay, beta, state, *, chunk_size: int, resets
     query, key, value, decay, beta = map(to_chunks, (query, key, value, decay, beta))
 
     cumulative = jnp.cumsum(decay, axis=-1)  # [b, h, n, c]: log decay from chunk start to each token
-    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
-    strictly_causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
-    log_pairwise = cumulative[..., :, None] - cumulative[..., None, :]
-    pairwise_decay = jnp.exp(jnp.where(causal, log_pairwise, -jnp.inf))  # [b, h, n, c, c]
 
-    key_beta = key * beta[..., None]
-    value_beta = value * beta[..., None]
-    interactions = jnp.einsum("bhnid,bhnjd->bhnij", key_beta, key, precision=_EXACT) * pairwise_decay
-    inverse = unit_lower_inverse(jnp.where(strictly_causal, interactions, 0.0))  # (I + A)^-1
-    solve = lambda rhs: jnp.einsum("bhnij,bhnjd->bhnid", inverse, rhs, precision=_EXACT)
-    new_values = solve(value_beta)                                   # [b, h, n, c, value_dim]
-    decayed_keys = solve(key_beta * jnp.exp(cumulative)[..., None])  # [b, h, n, c, key_dim]
-
-    intra_chunk = jnp.einsum("bhnid,bhnjd->bhnij", query, key, precision=_EXACT) * pairwise_decay
-    query_decayed = query * jnp.exp(cumulative)[..., None]
-    key_to_chunk_end = key * jnp.exp(cumulative[..., -1:] - cumulative)[..., None]
-    chunk_decay = jnp.exp(cumulative[..., -1])  # [b, h, n]
-
+    # Everything per chunk happens inside the scan body, on one chunk of every head at a time:
+    # batched over all chunks at once, XLA:TPU fully unrolls the small VMEM-resident arrays and the
+    # differentiated rule took minutes to compile; in the loop body the code is a chunk's worth.
     def step(state, chunk):
-        new_value, decayed_key, query_c, key_c, intra, decay_c, *reset = chunk
+        query_c, key_c, value_c, beta_c, cumulative_c, *reset = chunk
         if reset:  # the training layout: packed examples, and the state before every chunk kept
             state = jnp.where(reset[0][:, None, None, None], 0.0, state)
         before = state if reset else None
+        new_value, decayed_key, query_decayed, key_to_chunk_end, intra, decay_c = _chunk_terms(
+            query_c, key_c, value_c, beta_c, cumulative_c)
         correction = new_value - jnp.einsum("bhcd,bhde->bhce", decayed_key, state, precision=_EXACT)
-        out = (jnp.einsum("bhcd,bhde->bhce", query_c, state, precision=_EXACT)
+        out = (jnp.einsum("bhcd,bhde->bhce", query_decayed, state, precision=_EXACT)
                + jnp.einsum("bhij,bhje->bhie", intra, correction, precision=_EXACT))
         state = state * decay_c[..., None, None] + jnp.einsum(
-            "bhcd,bhce->bhde", key_c, correction, precision=_EXACT)
+            "bhcd,bhce->bhde", key_to_chunk_end, correction, precision=_EXACT)
         return state, (out, before)
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
-    inputs = tuple(map(chunk_major, (new_values, decayed_keys, query_decayed, key_to_chunk_end, intra_chunk,
-                                     chunk_decay)))
+    inputs = tuple(map(chunk_major, (query, key, value, beta, cumulative)))
     state, (out, before) = jax.lax.scan(step, state, inputs if resets is None else inputs + (resets.T,))
     out = rearrange(out, "n b h c e -> b (n c) h e")[:, :num_tokens]
     return out, state, None if before is None else jnp.moveaxis(before, 0, 1)
+
+
+def _chunk_terms(query, key, value, beta, cumulative):
+    """The chunk-local terms of one chunk of every head (the UT transform).
+
+    query, key: [b, h, c, key_dim]; value: [b, h, c, value_dim]; beta, cumulative: [b, h, c]
+    (cumulative: log decay from the chunk's start to each token).
+    returns (new values [b, h, c, value_dim], decayed keys [b, h, c, key_dim], decayed queries
+             [b, h, c, key_dim], keys decayed to the chunk's end [b, h, c, key_dim], intra-chunk
+             scores [b, h, c, c], the chunk's total decay [b, h])
+    """
+    chunk_size = key.shape[-2]
+    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    strictly_causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    log_pairwise = cumulative[..., :, None] - cumulative[..., None, :]
+    pairwise_decay = jnp.exp(jnp.where(causal, log_pairwise, -jnp.inf))  # [b, h, c, c]
+
+    key_beta = key * beta[..., None]
+    interactions = jnp.einsum("bhid,bhjd->bhij", key_beta, key, precision=_EXACT) * pairwise_decay
+    inverse = unit_lower_inverse(jnp.where(strictly_causal, interactions, 0.0))  # (I + A)^-1
+    solve = lambda rhs: jnp.einsum("bhij,bhjd->bhid", inverse, rhs, precision=_EXACT)
+    new_values = solve(value * beta[..., None])
+    decayed_keys = solve(key_beta * jnp.exp(cumulative)[..., None])
+
+    intra_chunk = jnp.einsum("bhid,bhjd->bhij", query, key, precision=_EXACT) * pairwise_decay
+    query_decayed = query * jnp.exp(cumulative)[..., None]
+    key_to_chunk_end = key * jnp.exp(cumulative[..., -1:] - cumulative)[..., None]
+    return new_values, decayed_keys, query_decayed, key_to_chunk_end, intra_chunk, jnp.exp(cumulative[..., -1])
 
 
 def gdn_chunk_xla(
