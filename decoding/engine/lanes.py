@@ -303,4 +303,7 @@ def _power_of_two(count: int) -> int:
 
 
 def new_staging(context: ModelContext, capacity: int, padding: int) -> ModelState:
-    return empty_staging(context.passes, capacity, jnp.full((1,), padding, jnp.int32))
+    state = empty_staging(context.passes, capacity, jnp.full((1,), padding, jnp.int32))
+    # committed to its devices, as a prefilled state is (it comes from the parameters): an uncommitted
+    # one made the lanes' join, resize and step compile a second program for prompts with no prefix
+    return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), state)

@@ -18,7 +18,7 @@ from tests.clover_jax.parallel.sharded_run import MASK_ID, peaked
 
 PROMPTS = [[5, 9, 17, 33, 2, 70, 12, 40, 41], [44, 3, 8], [60, 61, 62, 63, 64], [20, 21, 22, 23, 24, 25, 26]]
 MODES = ["diffusion", "autoregressive", "self_speculative", "diffusion"]
-OVERRIDES = [{"max_new_tokens": 16}, {}, {}, {"do_sample": True, "temperature": 1.2, "top_k": 20}]
+OVERRIDES = [{"max_new_tokens": 16}, {}, {}, {"schedule": "fixed_k"}]
 
 
 def generation_config():

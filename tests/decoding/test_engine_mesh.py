@@ -1,5 +1,5 @@
 """The serving engine on a mesh of 8 fake CPU devices (experts over 4, heads over 2) decodes what
-`generate` decodes on that mesh, for every mode, a sampled request and requests that join a lane
+`generate` decodes on that mesh, for every mode and requests that join a lane
 mid-flight; a mesh with a data axis is refused before anything compiles."""
 
 from __future__ import annotations
