@@ -29,7 +29,7 @@ from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.logprobs import chat_logprobs, completion_logprobs
 from clover_jax.api.serving.metrics import CONTENT_TYPE, Metrics
 from clover_jax.api.serving.protocol import read_chat, read_completion
-from clover_jax.api.serving.responses import ChoiceText, Message
+from clover_jax.api.serving.responses import ChoiceText, Message, prompt_tokens_details
 from clover_jax.api.serving.service import Prepared, Service, Submission, shutting_down
 from decoding.engine import EngineEvent
 from decoding.modes import Mode
@@ -194,11 +194,12 @@ class _Reply:
         reason = "stop" if text.stopped else FINISH.get(event.finish, "stop")
         return "tool_calls" if text.called and reason == "stop" else reason
 
-    def usage(self, events: list[EngineEvent]) -> dict[str, int]:
+    def usage(self, events: list[EngineEvent]) -> dict[str, Any]:
         # n choices of a prompt read it once
         prompt = sum(len(p.prompt) for p in self.prepared[::self.sampling.n])
         completion = sum(e.stats.completion_tokens for e in events if e.stats is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": prompt_tokens_details([e.stats for e in events])}
 
     def clover(self, events: list[EngineEvent]) -> dict[str, Any]:
         """Clover's own figures: forwards (NFE), tokens per forward, denoising steps per block."""

@@ -199,6 +199,23 @@ def test_bad_requests_get_openai_errors_before_compute(bundled_server, change, s
     assert service.engine.steps == steps  # refused before any compute
 
 
+def test_usage_reports_prompt_tokens_read_from_the_prefix_cache(bundled_server):
+    """A transcript sent again (as agent harnesses do each turn) reads its prompt from the prefix
+    cache, reports the reuse in `usage.prompt_tokens_details.cached_tokens`, and answers the same."""
+    server, service = bundled_server
+    prompt = service.tokenizer.apply_chat_template(
+        [{"role": "user", "content": " ".join(SORTS[1:4])}], add_generation_prompt=True, tokenize=False)
+    length = len(service.tokenizer.encode(prompt, add_special_tokens=False))
+    assert length > 2 * 32, "the prompt must span at least two grid chunks"
+    first, again = (client(server).completions.create(model="tiny-clover", prompt=prompt, max_tokens=16,
+                                                      extra_body={"mode": "autoregressive"}) for _ in range(2))
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.model_dump()["prompt_tokens_details"]["cached_tokens"]
+    # autoregressive: the last prompt token is run again (its logits start the response)
+    assert cached == (length - 1) // 32 * 32 and cached > 0
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens == length
+
+
 def test_malformed_json_and_completion_refusals(bundled_server):
     server, _ = bundled_server
     post = lambda path, content: httpx.post(server.url + path, content=content, timeout=60,
