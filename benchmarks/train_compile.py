@@ -18,7 +18,7 @@ A full-size compile takes minutes and several GB of host memory: rows run one at
 its own compile subprocess; `--resume-dir` keeps each finished row (an interrupted run picks up).
 
 Usage: `python benchmarks/train_compile.py [--rows v6e-1-qlora ...] [--seq-lens 4096 8192 ...]
-[--resume-dir DIR] [--quick]`.
+[--remat full ...] [--resume-dir DIR] [--quick]`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--seq-lens", nargs="*", type=int, default=list(SEQ_LENS))
     parser.add_argument("--logits-row", default="v6e-1-qlora", help="the row compiled at 4,096 and 8,192 tokens")
+    parser.add_argument("--remat", nargs="*", default=None, help="remat choices tried (default: the planner's)")
     parser.add_argument("--resume-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="the v6e-1 QLoRA row at its own length only")
     args = parser.parse_args()
@@ -94,13 +95,16 @@ def main() -> None:
         target, fields, _ = RUNS[name]
         finetune = FinetuneConfig(block_size=32, complementary=True, **{**fields, **overrides})
         started = time.perf_counter()
-        plan = clover_jax.plan(config, target, task="train", config=finetune, compile=True, seq_lens=seq_lens)
+        plan = clover_jax.plan(config, target, task="train", config=finetune, compile=True, seq_lens=seq_lens,
+                               remat_choices=args.remat)
         row = row_of(name, plan, time.perf_counter() - started)
         print(f"train_compile: {name}: {row['seconds']:.0f} s, {row['error'] or row['total_bytes'] / 2**30}",
               file=sys.stderr)
         return row
 
-    rows = [saved(f"{name}-{'-'.join(map(str, seq_lens))}", lambda name=name: compile_row(name)) for name in names]
+    remat = "-".join(args.remat or ["planner"])
+    rows = [saved(f"{name}-{remat}-{'-'.join(map(str, seq_lens))}", lambda name=name: compile_row(name))
+            for name in names]
     logits = []
     if not args.quick:
         seq_lens = []
