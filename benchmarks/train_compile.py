@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -59,7 +60,14 @@ def row_of(name: str, plan, seconds: float) -> dict:
             "error": memory.error, "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
             "output_bytes": memory.output_bytes, "alias_bytes": memory.alias_bytes, "total_bytes": memory.total_bytes,
             "device_bytes": option.device_bytes, "fits": option.fits, "kernel_calls": memory.kernel_calls,
-            "estimate_bytes": option.total_bytes}
+            "estimate_bytes": option.total_bytes, "refused_temp_bytes": refused_temp_bytes(memory.error)}
+
+
+def refused_temp_bytes(error: str | None) -> int | None:
+    """The temporaries a TPU compiler names when it refuses a program for memory ("the total memory
+    required for HLO temporaries (35.52G) exceeds available HBM"), in bytes; None otherwise."""
+    found = re.search(r"HLO temporaries \(([0-9.]+)G\)", error or "")
+    return None if found is None else int(float(found.group(1)) * 2**30)
 
 
 def main() -> None:
@@ -70,6 +78,7 @@ def main() -> None:
     parser.add_argument("--remat", nargs="*", default=None, help="remat choices tried (default: the planner's)")
     parser.add_argument("--resume-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="the v6e-1 QLoRA row at its own length only")
+    parser.add_argument("--quick-row", default=None, choices=list(RUNS), help="this row at its own length only")
     args = parser.parse_args()
 
     import clover_jax
@@ -77,7 +86,8 @@ def main() -> None:
     from clover_jax.training.config import FinetuneConfig
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
-    names, seq_lens = (["v6e-1-qlora"], []) if args.quick else (args.rows, args.seq_lens)
+    quick = args.quick or args.quick_row is not None
+    names, seq_lens = ([args.quick_row or "v6e-1-qlora"], []) if quick else (args.rows, args.seq_lens)
 
     def saved(key: str, compute):
         path = os.path.join(args.resume_dir, f"{key}.json") if args.resume_dir else None
@@ -106,12 +116,14 @@ def main() -> None:
     rows = [saved(f"{name}-{remat}-{'-'.join(map(str, seq_lens))}", lambda name=name: compile_row(name))
             for name in names]
     logits = []
-    if not args.quick:
+    if not quick:
         seq_lens = []
         for length in (4096, 8192):
             row = saved(f"logits-{args.logits_row}-{length}",
                         lambda length=length: compile_row(args.logits_row, seq_len=length, remat="full"))
-            logits.append({"seq_len": length, "temp_bytes": row["temp_bytes"], "error": row["error"],
+            refused = refused_temp_bytes(row["error"])  # a refusal for memory still names the temporaries
+            logits.append({"seq_len": length, "temp_bytes": row["temp_bytes"] or refused,
+                           "error": row["error"] if refused is None else None,
                            "streams_logits_bytes": 3 * length * RUNS[args.logits_row][1]["batch_size"]
                            * config.vocab_size * 4})
     checks = [check(f"{row['row']}: compiled total / chip", None if row["error"] else
