@@ -18,7 +18,7 @@ A full-size compile takes minutes and several GB of host memory: rows run one at
 its own compile subprocess; `--resume-dir` keeps each finished row (an interrupted run picks up).
 
 Usage: `python benchmarks/train_compile.py [--rows v6e-1-qlora ...] [--seq-lens 4096 8192 ...]
-[--resume-dir DIR] [--quick]`.
+[--remat full ...] [--resume-dir DIR] [--quick]`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -59,7 +60,14 @@ def row_of(name: str, plan, seconds: float) -> dict:
             "error": memory.error, "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
             "output_bytes": memory.output_bytes, "alias_bytes": memory.alias_bytes, "total_bytes": memory.total_bytes,
             "device_bytes": option.device_bytes, "fits": option.fits, "kernel_calls": memory.kernel_calls,
-            "estimate_bytes": option.total_bytes}
+            "estimate_bytes": option.total_bytes, "refused_temp_bytes": refused_temp_bytes(memory.error)}
+
+
+def refused_temp_bytes(error: str | None) -> int | None:
+    """The temporaries a TPU compiler names when it refuses a program for memory ("the total memory
+    required for HLO temporaries (35.52G) exceeds available HBM"), in bytes; None otherwise."""
+    found = re.search(r"HLO temporaries \(([0-9.]+)G\)", error or "")
+    return None if found is None else int(float(found.group(1)) * 2**30)
 
 
 def main() -> None:
@@ -67,8 +75,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--seq-lens", nargs="*", type=int, default=list(SEQ_LENS))
     parser.add_argument("--logits-row", default="v6e-1-qlora", help="the row compiled at 4,096 and 8,192 tokens")
+    parser.add_argument("--remat", nargs="*", default=None, help="remat choices tried (default: the planner's)")
     parser.add_argument("--resume-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="the v6e-1 QLoRA row at its own length only")
+    parser.add_argument("--quick-row", default=None, choices=list(RUNS), help="this row at its own length only")
     args = parser.parse_args()
 
     import clover_jax
@@ -76,7 +86,8 @@ def main() -> None:
     from clover_jax.training.config import FinetuneConfig
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
-    names, seq_lens = (["v6e-1-qlora"], []) if args.quick else (args.rows, args.seq_lens)
+    quick = args.quick or args.quick_row is not None
+    names, seq_lens = ([args.quick_row or "v6e-1-qlora"], []) if quick else (args.rows, args.seq_lens)
 
     def saved(key: str, compute):
         path = os.path.join(args.resume_dir, f"{key}.json") if args.resume_dir else None
@@ -94,20 +105,25 @@ def main() -> None:
         target, fields, _ = RUNS[name]
         finetune = FinetuneConfig(block_size=32, complementary=True, **{**fields, **overrides})
         started = time.perf_counter()
-        plan = clover_jax.plan(config, target, task="train", config=finetune, compile=True, seq_lens=seq_lens)
+        plan = clover_jax.plan(config, target, task="train", config=finetune, compile=True, seq_lens=seq_lens,
+                               remat_choices=args.remat)
         row = row_of(name, plan, time.perf_counter() - started)
         print(f"train_compile: {name}: {row['seconds']:.0f} s, {row['error'] or row['total_bytes'] / 2**30}",
               file=sys.stderr)
         return row
 
-    rows = [saved(f"{name}-{'-'.join(map(str, seq_lens))}", lambda name=name: compile_row(name)) for name in names]
+    remat = "-".join(args.remat or ["planner"])
+    rows = [saved(f"{name}-{remat}-{'-'.join(map(str, seq_lens))}", lambda name=name: compile_row(name))
+            for name in names]
     logits = []
-    if not args.quick:
+    if not quick:
         seq_lens = []
         for length in (4096, 8192):
             row = saved(f"logits-{args.logits_row}-{length}",
                         lambda length=length: compile_row(args.logits_row, seq_len=length, remat="full"))
-            logits.append({"seq_len": length, "temp_bytes": row["temp_bytes"], "error": row["error"],
+            refused = refused_temp_bytes(row["error"])  # a refusal for memory still names the temporaries
+            logits.append({"seq_len": length, "temp_bytes": row["temp_bytes"] or refused,
+                           "error": row["error"] if refused is None else None,
                            "streams_logits_bytes": 3 * length * RUNS[args.logits_row][1]["batch_size"]
                            * config.vocab_size * 4})
     checks = [check(f"{row['row']}: compiled total / chip", None if row["error"] else

@@ -43,7 +43,7 @@ def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Targ
 
     path_or_config: a checkpoint directory, a Hub id (only its config.json is read) or a
         `CloverConfig`;
-    target: a name ("v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "H100", "H200",
+    target: a name ("v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v5p-64", "H100", "H200",
         "H200x8"), a list of jax devices or of device-kind names ("TPU v6e"), or None (this
         process's devices);
     compile: compile the decoding loops (`modes`) for the target with each format whose weights

@@ -1,4 +1,4 @@
-"""Where every array of a sharded train step lives (docs/parallelism.md, "Training").
+"""Where every array of a sharded train step lives (docs/parallelism.md, "Training on a mesh").
 
 The rules on a (data, expert, tensor) mesh:
 

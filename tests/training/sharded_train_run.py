@@ -3,13 +3,14 @@ computed; started by tests/training/test_sharded_training.py in a fresh process,
 number of devices is fixed when JAX starts.
 
     python sharded_train_run.py CHECKPOINT OUT --run one+curve --run 1,8,1 --run 2,2,2+curve --run 2,2,2+lora
-    python sharded_train_run.py CHECKPOINT OUT --run 2,2,2+curve --process 0 --processes 2 --port 12345
+    python sharded_train_run.py CHECKPOINT OUT --run 2,2,2+curve+nograds --process 0 --processes 2 --port 12345
 
 OUT.npz holds, per run ("one": one device, else the mesh; "+lora": a LoRA run): the loss and the
 gradient of every trained leaf at the first state (`step.batch_gradients`); with "+curve" also
 the loss curve of `--steps` optimizer steps through the trainer's loop (`trainer._train`) and the
-parameters after them. OUT.json: the mesh axes of each parameter and AdamW moment. With several processes, each joins
-`jax.distributed` on 127.0.0.1 and writes OUT.<process>.npz.
+parameters after them ("+nograds": the curve alone). OUT.json: the mesh axes of each parameter
+and AdamW moment. With several processes, each joins `jax.distributed` on 127.0.0.1 and writes
+OUT.<process>.npz.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Batches:
         return Batch(BLOCK, batch_rows(step))
 
 
-def run(model, mesh_sizes, *, lora: bool, steps: int) -> tuple[dict, dict]:
+def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True) -> tuple[dict, dict]:
     """(arrays, mesh axes) of one run: on one device (`mesh_sizes` None) or on a mesh."""
     import jax
 
@@ -90,13 +91,13 @@ def run(model, mesh_sizes, *, lora: bool, steps: int) -> tuple[dict, dict]:
     key = jax.random.key(config.seed)
     top_p = np.float32(model.config.moe_block_coreset_top_p)
     layout = None
-    gradients = jax.jit(functools.partial(batch_gradients, program=program))
+    gradient_step = jax.jit(functools.partial(batch_gradients, program=program))
     if mesh_sharding is not None:
         layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen)
         state = train_sharding.place(state, layout.state)
         frozen = None if frozen is None else train_sharding.place(frozen, layout.frozen)
         replicated = layout.replicated
-        gradients = jax.jit(functools.partial(batch_gradients, program=program),
+        gradient_step = jax.jit(functools.partial(batch_gradients, program=program),
                             in_shardings=(layout.state.params, replicated, layout.rows, replicated, replicated,
                                           replicated, layout.frozen),
                             out_shardings=(layout.state.params, replicated))
@@ -104,9 +105,11 @@ def run(model, mesh_sizes, *, lora: bool, steps: int) -> tuple[dict, dict]:
         key = jax.jit(lambda: jax.random.key(config.seed), out_shardings=replicated)()
         norm = train_sharding.place(norm, type(norm)(replicated, replicated))
         top_p = train_sharding.place(top_p, replicated)
-    grads, parts = gradients(state.params, state.step, rows, key, norm, top_p, frozen)
-    arrays = {"loss": trainer._on_host(parts.loss)}
-    arrays.update({f"grad/{name}": value for name, value in _flat(trainer._on_host(grads)).items()})
+    arrays = {}
+    if gradients:
+        grads, parts = gradient_step(state.params, state.step, rows, key, norm, top_p, frozen)
+        arrays["loss"] = trainer._on_host(parts.loss)
+        arrays.update({f"grad/{name}": value for name, value in _flat(trainer._on_host(grads)).items()})
     if steps:
         config = dataclasses.replace(config, steps=steps)
         state, history = trainer._train(state, Batches(), {BLOCK: program}, config=config,
@@ -135,7 +138,8 @@ def main() -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("out")
     parser.add_argument("--run", action="append", required=True,
-                        help="'one' or data,expert,tensor; +lora: a LoRA run; +curve: also --steps steps")
+                        help="'one' or data,expert,tensor; +lora: a LoRA run; +curve: also --steps steps; "
+                             "+nograds: no gradients at the first state")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--process", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1)
@@ -156,7 +160,8 @@ def main() -> None:
     for name in args.run:
         where, *options = name.split("+")
         sizes = None if where == "one" else tuple(map(int, where.split(",")))
-        result, axes[name] = run(model, sizes, lora="lora" in options, steps=args.steps if "curve" in options else 0)
+        result, axes[name] = run(model, sizes, lora="lora" in options, steps=args.steps if "curve" in options else 0,
+                                 gradients="nograds" not in options)
         arrays.update({f"{name}|{key}": value for key, value in result.items()})
     out = args.out if args.processes == 1 else f"{args.out}.{args.process}"
     np.savez(out + ".npz", **arrays)

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("model", nargs="?", metavar="DIR|ORG/NAME", default=None,
                       help="checkpoint directory or Hub id; only config.json is read (default: the bundled tiny model)")
     plan.add_argument("--target", required=True, metavar="NAME",
-                      help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5p-8, H100, H200 or H200xN (N GPUs)")
+                      help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5p-8, v5p-64, H100, H200 or H200xN (N GPUs)")
     plan.add_argument("--compile", action="store_true",
                       help="compile the diffusion, autoregressive and self-speculative loops for the target and let "
                            "the compiler decide what fits (minutes per format at full size)")

@@ -33,7 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--eval-data", nargs="+", default=None, help="held-out JSONL file(s) evaluated while training")
     parser.add_argument("--generation-config", metavar="FILE", default=None,
                         help="JSON file of generation_config.json overrides for the written model")
-    parser.add_argument("--mesh", default=None, metavar="DATA,EXPERT,TENSOR", help="train on a (data, expert, tensor) mesh of all devices, e.g. 2,4,1 (docs/parallelism.md)")
+    parser.add_argument("--mesh", default=None, metavar="DATA,EXPERT,TENSOR",
+                        help="train on a (data, expert, tensor) mesh of all devices, e.g. 2,4,1 (docs/parallelism.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
     hints = typing.get_type_hints(FinetuneConfig)

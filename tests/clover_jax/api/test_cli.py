@@ -174,6 +174,26 @@ def test_plan_prints_the_api_plan_for_a_named_target(checkpoint):
     assert table.stdout.strip() == str(expected)
 
 
+def test_plan_of_a_training_run_prints_the_api_plan(checkpoint):
+    import clover_jax
+    from clover_jax.training.config import FinetuneConfig
+
+    flags = ["--task", "train", "--method", "lora", "--lora-rank", "8", "--quantize", "int4", "--lora-targets",
+             "attention,gdn", "--batch", "4", "--seq-len", "64", "--block-size", "4"]
+    result = run_cli("plan", checkpoint, "--target", "v5e-4", *flags, "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    expected = clover_jax.plan(checkpoint, "v5e-4", task="train", block_size=4, config=FinetuneConfig(
+        method="lora", lora_rank=8, quantize="int4", lora_targets=("attention", "gdn"), batch_size=4, seq_len=64,
+        block_size=4))
+    (option,) = record["options"]
+    assert option["mesh"] == expected.options[0].mesh == {"data": 1, "expert": 4, "tensor": 1}
+    assert option["weight_bytes"] == expected.options[0].weight_bytes and option["remat"] == "none"
+    assert option["weights"] == "qlora r8 int4 base" and record["reason"] == expected.reason
+    bad = run_cli("plan", checkpoint, "--target", "v5e-4", "--task", "train", "--method", "full", "--quantize", "int4")
+    assert bad.returncode != 0 and "quantize" in bad.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "v7-1"], "argument --target: unknown target 'v7-1'"),
     (["--target", "v6e-1", "--batch", "0"], "arguments --batch and --context-length must be >= 1"),

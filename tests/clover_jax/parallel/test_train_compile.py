@@ -1,6 +1,8 @@
 """`clover_jax.plan(task="train", compile=True)` runs the real TPU and GPU compilers on the whole
-train step (both streams with the complementary copy, loss, backward, AdamW) of the SMALL model
-(two layer groups), and the compiler's bytes decide."""
+train step (both streams with the complementary copy, loss, backward, AdamW) of a reduced-depth
+model (SMALL's widths, one layer group of GDN + attention: the layers are scanned, so depth adds
+no compile time), and the compiler's bytes decide. The step at Clover-35B's size, and its
+temporaries at 4,096 and 8,192 tokens, are `benchmarks/train_compile.py`'s."""
 
 from __future__ import annotations
 
@@ -13,20 +15,22 @@ from clover_jax.core.param_layout import flat_layout
 from clover_jax.training.config import FinetuneConfig
 from tests.clover_jax.parallel.test_compile_targets import SMALL
 
-LORA = FinetuneConfig(method="lora", lora_rank=16, batch_size=2, seq_len=1024, block_size=32)
+ONE_GROUP = dict(SMALL, num_hidden_layers=2)
 # what the SMALL step compiles at (one length: the search for longer ones is `make bench`'s)
 NO_SEARCH = dict(seq_lens=(), remat_choices=("full",))
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """LoRA on v6e-1 and full fine-tuning on H200x2, each step compiled once."""
+    """Full fine-tuning (float32 master, AdamW) on v6e-1 and on H200x2, each step compiled once. (A
+    LoRA step's routed experts run `jax.lax.ragged_dot`, which the TPU compiler turns into a Mosaic
+    kernel of its own: the kernel count below would not tell whether ours are in the program.)"""
     import clover_jax
 
-    config = CloverConfig.from_dict(SMALL)
-    full = FinetuneConfig(method="full", batch_size=2, seq_len=1024, block_size=32)
-    return {"v6e-1": clover_jax.plan(config, "v6e-1", task="train", config=LORA, compile=True, **NO_SEARCH),
-            "H200x2": clover_jax.plan(config, "H200x2", task="train", config=full, compile=True, **NO_SEARCH)}
+    config = CloverConfig.from_dict(ONE_GROUP)
+    full = FinetuneConfig(method="full", batch_size=2, seq_len=256, block_size=32)
+    return {name: clover_jax.plan(config, name, task="train", config=full, compile=True, **NO_SEARCH)
+            for name in ("v6e-1", "H200x2")}
 
 
 @pytest.mark.parametrize("name", ["v6e-1", "H200x2"])
@@ -41,7 +45,7 @@ def test_the_train_step_compiles_for_the_target_and_the_compiler_decides(compile
     # the step's arguments hold at least the weights it reads (the arithmetic's exact bytes)
     assert memory.argument_bytes >= option.weight_bytes > 0
     assert option.fits == (memory.total_bytes <= HEADROOM * option.device_bytes) and option.fits
-    assert option.remat == "full" and option.max_seq_len == 1024
+    assert option.remat == "full" and option.max_seq_len == 256
     assert plan.recommendation is option and "by the compiler" in plan.reason
     expected_mesh = {"v6e-1": {"data": 1, "expert": 1, "tensor": 1}, "H200x2": {"data": 1, "expert": 2, "tensor": 1}}
     assert option.mesh == expected_mesh[name]
@@ -52,26 +56,6 @@ def test_the_train_step_compiles_for_the_target_and_the_compiler_decides(compile
 def test_the_compiled_train_step_runs_the_pallas_kernels(compiled, name):
     memory = compiled[name].options[0].compiled["train_step"]
     assert memory.error is None and memory.kernel_calls >= 2, memory.kernel_calls
-
-
-def test_the_loss_never_holds_the_logits_of_every_row():
-    """Doubling the sequence (1,024 -> 2,048 tokens, three streams of rows) adds far less to the
-    compiled step's temporaries than float32 logits of the added rows would take: the chunked
-    cross-entropy holds one chunk's at a time."""
-    import dataclasses
-
-    import clover_jax
-
-    config = CloverConfig.from_dict(SMALL)
-    temps = {}
-    for seq_len in (1024, 2048):
-        run = dataclasses.replace(LORA, seq_len=seq_len, batch_size=1)
-        memory = clover_jax.plan(config, "v5e-1", task="train", config=run, compile=True,
-                                 **NO_SEARCH).options[0].compiled["train_step"]
-        assert memory.error is None, memory.error
-        temps[seq_len] = memory.temp_bytes
-    added_logits = 3 * 1024 * config.vocab_size * 4  # clean + two noisy copies of 1,024 more tokens, float32
-    assert temps[2048] - temps[1024] < added_logits / 2, temps
 
 
 def test_a_plan_without_the_compiler_counts_parameters_and_optimizer_state():
