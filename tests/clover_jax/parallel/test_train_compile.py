@@ -51,7 +51,6 @@ def test_the_train_step_compiles_for_the_target_and_the_compiler_decides(compile
     assert option.mesh == expected_mesh[name]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the differentiable kernels of the gdn-attn / moe-grad branches")
 @pytest.mark.parametrize("name", ["v6e-1", "H200x2"])
 def test_the_compiled_train_step_runs_the_pallas_kernels(compiled, name):
     memory = compiled[name].options[0].compiled["train_step"]
