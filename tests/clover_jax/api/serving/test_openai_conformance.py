@@ -203,13 +203,16 @@ def test_usage_is_the_rendered_prompt_plus_the_generated_tokens(server):
     [tokens] = generate(service.model, [ids], max_new_tokens=12).sequences
     chat = httpx.post(thread.url + "/v1/chat/completions", timeout=600,
                       json={"model": "tiny-clover", "max_tokens": 12, "messages": messages}).json()
-    assert chat["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                             "total_tokens": len(ids) + len(tokens)}
+    # prompt_tokens_details: what the prefix cache held of the prompt (test_server.py checks the figure)
+    assert chat.pop("usage") | {"prompt_tokens_details": None} == {
+        "prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens),
+        "prompt_tokens_details": None}
     prompts = ["sort 3 1", "sort 7 7 0"]
     encoded = [service.tokenizer.encode(prompt) for prompt in prompts]
     outputs = generate(service.model, encoded, max_new_tokens=6).sequences
     completion = httpx.post(thread.url + "/v1/completions", timeout=600,
                             json={"model": "tiny-clover", "max_tokens": 6, "prompt": prompts}).json()
     prompt_tokens, completion_tokens = sum(map(len, encoded)), sum(map(len, outputs))
-    assert completion["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens}
+    assert completion["usage"] | {"prompt_tokens_details": None} == {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}

@@ -204,7 +204,7 @@ def test_usage_reports_prompt_tokens_read_from_the_prefix_cache(bundled_server):
     cache, reports the reuse in `usage.prompt_tokens_details.cached_tokens`, and answers the same."""
     server, service = bundled_server
     prompt = service.tokenizer.apply_chat_template(
-        [{"role": "user", "content": " ".join(SORTS[1:4])}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": " ".join(SORTS * 2)}], add_generation_prompt=True, tokenize=False)
     length = len(service.tokenizer.encode(prompt, add_special_tokens=False))
     assert length > 2 * 32, "the prompt must span at least two grid chunks"
     first, again = (client(server).completions.create(model="tiny-clover", prompt=prompt, max_tokens=16,
