@@ -120,9 +120,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
         if chat.sampling.stream:
             return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True))
-        messages = [Message() for _ in prepared]
-        collected = await asyncio.gather(*(_collect(request, s, t, m.add)
-                                           for s, t, m in zip(submissions, texts, messages, strict=True)))
+        messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
                                                                                strict=True)):
@@ -147,9 +145,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         reply = _Reply("cmpl", "text_completion", service.name, prepared, sampling)
         if sampling.stream:
             return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes))
-        messages = [Message() for _ in prepared]
-        collected = await asyncio.gather(*(_collect(request, s, t, m.add)
-                                           for s, t, m in zip(submissions, texts, messages, strict=True)))
+        messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
                                                                                strict=True)):
@@ -219,6 +215,14 @@ class _Reply:
 
 
 # ---------------------------------------------------------------------- running a request
+async def _collect_all(request: Request, submissions, texts) -> tuple[list, list]:
+    """Every choice's `Message` and its (last event, tokens, logprobs), collected side by side."""
+    messages = [Message() for _ in submissions]
+    collected = await asyncio.gather(*(_collect(request, s, t, m.add)
+                                       for s, t, m in zip(submissions, texts, messages, strict=True)))
+    return messages, collected
+
+
 async def _collect(request: Request, submission: Submission, text: ChoiceText,
                    sink) -> tuple[EngineEvent, list[int], list | None]:
     """Every event of a whole (not streamed) response; a client that leaves cancels it. Returns the
