@@ -177,13 +177,20 @@ def _remove_tree(path: str, attempts: int = 5) -> None:
     logger.warning("could not remove %s after a failed conversion; remove it by hand", path)
 
 
-def write_error_number(error: Exception) -> int | None:
+def write_error_number(error: BaseException | None) -> int | None:
     """The OS error number of a failed write: an OSError's, or the one TensorStore (under Orbax)
-    carries in its ValueError's text (`os_error_code='27'`); None for any other error."""
-    if isinstance(error, OSError):
-        return error.errno or errno.EIO
-    code = re.search(r"os_error_code='?(\d+)", str(error))
-    return int(code.group(1)) if code else None
+    carries in its ValueError's text (`os_error_code='27'`), on the error or an error it was raised
+    from (Orbax re-raises its writer threads' errors); None for any other error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            return error.errno or errno.EIO
+        code = re.search(r"os_error_code='?(\d+)", str(error))
+        if code:
+            return int(code.group(1))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ scales included) is saved beside the progress, and a resume over a different bas
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -67,6 +68,31 @@ def _quiet_write_failures(record: logging.LogRecord) -> bool:
                 and "os_error_code" in str(exception or record.getMessage()))
 
 
+class _OrbaxWriteErrors(logging.Handler):
+    """Keeps the OS error number of the last write failure Orbax logged (from the record's exception),
+    for a failure that Orbax's save finalizer logs and does not raise."""
+
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.number: int | None = None
+
+    def attach(self) -> None:
+        for name in ("absl", "orbax"):
+            logging.getLogger(name).addHandler(self)
+
+    def detach(self) -> None:
+        for name in ("absl", "orbax"):
+            logging.getLogger(name).removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from weights.orbax_checkpoint import write_error_number
+
+        error = record.exc_info[1] if record.exc_info else None
+        number = write_error_number(error) if isinstance(error, Exception) else None
+        if number is not None:
+            self.number = number
+
+
 class Saver:
     """The run's Orbax `CheckpointManager` in `directory` (two checkpoints kept). base_fingerprint: a
     LoRA run's `fingerprint` of its frozen base (None: a full run, whose state holds every weight)."""
@@ -79,6 +105,9 @@ class Saver:
         self.base_fingerprint = base_fingerprint
         options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._started: int | None = None  # the last save started and not yet seen published
+        self._log_errors = _OrbaxWriteErrors()
+        self._log_errors.attach()
         # A failed write is reported once, by `_write_errors`; Orbax's writer tasks would otherwise each
         # log it again through asyncio ("Task exception was never retrieved"), hundreds of tracebacks,
         # some when the tasks are collected at exit: the filter stays for the process (it drops only those).
@@ -117,30 +146,67 @@ class Saver:
             return
         progress = {"position": {"step": position.step, "drawn": list(position.drawn)}, "metrics": history,
                     "base_fingerprint": self.base_fingerprint}
-        with self._write_errors(step):  # the previous save's failure surfaces when the next one starts
+        with self._write_errors():
+            # the previous save's failure surfaces here (Orbax's save would wait for it anyway), before
+            # a newer checkpoint could be published over the gap
+            self.manager.wait_until_finished()
+            self._check_published()
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             progress=ocp.args.JsonSave(progress)), force=final)
+            self._started = step
         fault_point("save", step)
 
-    def close(self) -> None:
+    def close(self, *, failing: bool = False) -> None:
+        """Wait for the last save and check that it was published. failing: the run is already ending
+        on an error, which stays the one reported (a save's failure is then only logged)."""
         try:
-            with self._write_errors(None):
+            with self._write_errors():
                 self.manager.wait_until_finished()
+                self._check_published()
+        except Exception:
+            if not failing:
+                raise
+            logger.warning("the last checkpoint save did not finish either", exc_info=True)
         finally:
-            self.manager.close()
+            self._log_errors.detach()
+            try:
+                self.manager.close()
+            except Exception:  # its waits re-raise a failure already reported above
+                if not failing:
+                    raise
+                logger.debug("closing the checkpoint manager", exc_info=True)
+
+    def _check_published(self) -> None:
+        """OSError when the last save started (and waited for) is not complete on disk: Orbax logs
+        some failures of its writer threads without raising them (the save's finalizer catches what
+        it finds first), so the directory is the authority. The error number is the one Orbax's log
+        carried (`_OrbaxWriteErrors`), else EIO."""
+        if self._started is None:
+            return
+        import orbax.checkpoint as ocp
+
+        started, self._started = self._started, None
+        path = os.path.join(self.directory, str(started))
+        if os.path.isdir(path) and ocp.step.is_checkpoint_finalized(path):
+            return
+        number = self._log_errors.number or errno.EIO
+        raise OSError(number, f"the save of step {started} was not published: {os.strerror(number)}")
 
     @contextlib.contextmanager
-    def _write_errors(self, step: int | None):
+    def _write_errors(self):
         """A save that failed to write (a full disk: TensorStore reports it as a ValueError carrying the
-        OS error code) as one OSError that names the directory and the checkpoint a rerun resumes from."""
+        OS error code, Orbax may wrap it) as one OSError that names the directory and the checkpoint a
+        rerun resumes from."""
         try:
             yield
-        except (OSError, ValueError) as error:
+        except Exception as error:
             from weights.orbax_checkpoint import write_error_number
 
             number = write_error_number(error)
             if number is None:
                 raise
+            self._started = None
+            self.manager.reload()  # what is on disk, not what the manager believed it had started
             latest = self.manager.latest_step()
             resume = f"the checkpoint of step {latest} is whole" if latest is not None else "no checkpoint is whole"
             raise OSError(number, f"saving a training checkpoint in {self.directory} failed: {os.strerror(number)} "

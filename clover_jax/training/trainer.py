@@ -222,9 +222,12 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
                 history.append({"step": config.steps, **final})
             if on_metrics is not None:
                 on_metrics(history[-1])
-    finally:
+    except BaseException:
         if saver is not None:
-            saver.close()
+            saver.close(failing=True)  # the error that ended the run stays the one reported
+        raise
+    if saver is not None:
+        saver.close()
     return state, history
 
 

@@ -174,9 +174,10 @@ def test_a_full_disk_during_a_checkpoint_save_fails_the_run_and_it_resumes_from_
     assert full.returncode == 1, full.stdout
     # the run's own error: one line naming the directory and the checkpoint a rerun resumes from (Orbax
     # logs the failure of each of its writer threads above it too)
-    [error] = [line for line in full.stderr.splitlines() if line.startswith("clover-jax: error:")]
-    assert f"saving a training checkpoint in {checkpoints} failed: File too large" in error and \
-        "the checkpoint of step 2 is whole" in error, error
+    errors = [line for line in full.stderr.splitlines() if line.startswith("clover-jax: error:")]
+    assert len(errors) == 1, full.stderr[-6000:]
+    assert f"saving a training checkpoint in {checkpoints} failed: File too large" in errors[0] and \
+        "the checkpoint of step 2 is whole" in errors[0], errors[0]
     assert not (tmp_path / "resumed" / "model.safetensors").exists()
     resumed = train_command(task_data, tmp_path / "resumed", checkpoints)
     assert resumed.returncode == 0, resumed.stderr
@@ -184,3 +185,35 @@ def test_a_full_disk_during_a_checkpoint_save_fails_the_run_and_it_resumes_from_
     assert [record["step"] for record in records] == [3, 4, 5, 6]  # from step 2's checkpoint
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_a_save_whose_failure_orbax_only_logs_is_still_reported_before_the_next_save(tmp_path):
+    """Orbax's save finalizer may catch a writer thread's error and only log it; the run must not go
+    on as if the checkpoint existed: the next save (and `close`) finds the step unpublished on disk and
+    fails with the logged OS error, naming the checkpoint a rerun resumes from."""
+    from absl import logging as absl_logging
+
+    from clover_jax.training.checkpointing import Saver
+    from clover_jax.training.dataset import DataPosition
+
+    state = {"w": np.arange(6, dtype=np.float32)}
+    saver = Saver(tmp_path / "checkpoints", every=2)
+    saver.maybe_save(2, state, DataPosition(2, ()), [], final=False)
+
+    def swallowed(step, **kwargs):  # what a finalizer that caught the failure leaves: nothing published
+        try:
+            raise ValueError("OUT_OF_RANGE: Failed to write 64 bytes to file 7: No space left on device "
+                             "[os_error_code='28']")
+        except ValueError:
+            absl_logging.error("Checkpointer failed: one or more items may not be finalized", exc_info=True)
+        return True
+
+    published = saver.manager.save
+    saver.manager.save = swallowed
+    saver.maybe_save(4, state, DataPosition(4, ()), [], final=False)
+    saver.manager.save = published
+    with pytest.raises(OSError, match="the checkpoint of step 2 is whole") as raised:
+        saver.maybe_save(6, state, DataPosition(6, ()), [], final=True)
+    assert raised.value.errno == 28 and "No space left on device" in str(raised.value)
+    assert not (tmp_path / "checkpoints" / "6").exists()  # nothing newer was published over the gap
+    saver.close()
