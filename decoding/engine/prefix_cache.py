@@ -126,19 +126,23 @@ class PrefixCache:
                              f"tokens ({len(tokens)}), got {length}")
         with self._lock:
             node = self._root
-            for depth in range(1, length // self.grid + 1):
-                chunk = tuple(tokens[(depth - 1) * self.grid:depth * self.grid])
-                child = node.children.get(chunk)
-                if child is None:
-                    child = node.children[chunk] = _Node(node, chunk, kv_rows((depth - 1) * self.grid))
-                    self.nbytes += child.kv_bytes
-                    self.nodes += 1
-                node = child
-            if node.gdn is None:
-                node.gdn = gdn()
-                node.gdn_bytes = _nbytes(node.gdn)
-                self.nbytes += node.gdn_bytes
-                self._states.add(node)
+            try:
+                for depth in range(1, length // self.grid + 1):
+                    chunk = tuple(tokens[(depth - 1) * self.grid:depth * self.grid])
+                    child = node.children.get(chunk)
+                    if child is None:
+                        child = node.children[chunk] = _Node(node, chunk, kv_rows((depth - 1) * self.grid))
+                        self.nbytes += child.kv_bytes
+                        self.nodes += 1
+                    node = child
+                if node.gdn is None:
+                    node.gdn = gdn()
+                    node.gdn_bytes = _nbytes(node.gdn)
+                    self.nbytes += node.gdn_bytes
+                    self._states.add(node)
+            except BaseException:
+                self._prune(node)  # the chunks this store added, now needed by no kept state
+                raise
             node.used = next(self._clock)
             while self.nbytes > self.budget and self._states:
                 self._evict(min(self._states, key=lambda held: held.used))
@@ -148,6 +152,10 @@ class PrefixCache:
         node.gdn, self.nbytes, node.gdn_bytes = None, self.nbytes - node.gdn_bytes, 0
         self._states.discard(node)
         self.evicted += 1
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Drop `node` and the chunks above it while no kept state needs them."""
         while node is not self._root and not node.children and node.gdn is None:
             del node.parent.children[node.chunk]
             self.nbytes -= node.kv_bytes
