@@ -17,6 +17,11 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
 Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
 program on demand; the engine logs every program compiled after `precompile` with its shape.
 `compiled_programs()` counts the engine's programs (each jitted function's executable cache).
+
+On a CPU, XLA keeps every compiled program's machine code in memory mappings of the process (a
+diffusion step of the bundled model holds hundreds), and Linux stops a process at
+`vm.max_map_count` mappings (65,530 by default): XLA then crashes in its next compile. Precompiling
+stops with a `RuntimeError` naming the flags to narrow before the process comes near that.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Sequence
@@ -120,17 +126,52 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
             kinds.append((mode, block))
     for mode, block in kinds:
         key = LaneKey(mode, block, block if strategy(mode).whole_blocks else None)
+        check_mapping_headroom()
         _prefills(warm, key)
         samples = (False, True) if sample and strategy(mode).mode != Mode.SELF_SPECULATIVE else (False,)
         for capacity in buckets(warm._capacity(key)):
             traffic = _Traffic(warm, key, capacity, timeout)
             if not traffic.possible:
                 continue
+            check_mapping_headroom()
             traffic.one_by_one()
             for lanes in lane_sizes(warm.max_running):
                 for sampled in samples:
+                    check_mapping_headroom()
                     traffic.burst(lanes, sampled)
     return kinds
+
+
+MAPPING_HEADROOM = 0.8  # of vm.max_map_count: the rest is left for the programs of one more phase and the requests'
+
+
+def mapping_use() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the most Linux allows it), or None where unknown."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as handle:
+            limit = int(handle.read())
+        with open(f"/proc/{os.getpid()}/maps") as handle:
+            used = sum(1 for _ in handle)
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
+
+def check_mapping_headroom() -> None:
+    """RuntimeError when the CPU programs compiled so far hold more than `MAPPING_HEADROOM` of the
+    process's memory-mapping limit (only on the CPU backend: elsewhere a program's code lives on the
+    accelerator)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return
+    use = mapping_use()
+    if use is None or use[0] <= MAPPING_HEADROOM * use[1]:
+        return
+    raise RuntimeError(
+        f"precompiling stopped: the programs compiled so far hold {use[0]:,} memory mappings of this process's "
+        f"limit of {use[1]:,} (vm.max_map_count), and XLA on a CPU crashes past it; precompile a narrower set "
+        f"(fewer --block-sizes, a smaller --max-context or --max-running), or raise vm.max_map_count")
 
 
 def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_running: int, max_context: int,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from decoding.engine import Engine, EngineRequest, precompile
 from tests.decoding import test_engine
 from tests.decoding.test_engine import PROMPTS
@@ -36,3 +38,19 @@ def test_after_precompile_the_set_compiles_nothing_and_the_rest_is_logged(model,
         logged = " ".join(record.getMessage() for record in caplog.records)
         assert "outside the precompiled set: step of" in logged and "block_size=4" in logged
         assert "AUTOREGRESSIVE" in logged and "slots x 64 rows" in logged
+
+
+def test_precompiling_stops_with_a_clear_error_before_the_process_runs_out_of_memory_mappings(model, monkeypatch):
+    """XLA on a CPU crashes (SIGSEGV, seen: the bundled model's 184-program set reached Linux's 65,530
+    mappings) once compiled programs hold more memory mappings than vm.max_map_count: precompiling a
+    set past the headroom stops with an error naming the flags to narrow, before compiling more."""
+    with Engine(model, max_running=2, max_context=64) as engine:
+        monkeypatch.setattr(precompile, "mapping_use", lambda: (60_000, 65_530))
+        before = precompile.compiled_programs()
+        with pytest.raises(RuntimeError, match=r"60,000 memory mappings of this process's limit of 65,530.*"
+                                               r"--max-context"):
+            engine.precompile(["diffusion"], [8], sample=False)
+        assert precompile.compiled_programs() == before  # stopped before the first program
+        monkeypatch.setattr(precompile, "mapping_use", lambda: (50_000, 65_530))  # within the headroom: no error
+        precompile.check_mapping_headroom()
+    assert precompile.mapping_use() is None or precompile.mapping_use()[0] > 0  # the real reading, on Linux
