@@ -11,7 +11,8 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
   and without a block's commit), the join (`put_slots`) and the resize (`take_slots`) — compiled by
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
   bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane),
-  then bursts of 1, 2, 4, ... requests arriving together. Each warm-up request is cancelled once
+  then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
+  requests half fill (a burst meeting a busy lane joins with another program). Each warm-up request is cancelled once
   its lane has stepped (a diffusion request once its first block is out and committed).
 
 Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -139,6 +141,10 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
                 for sampled in samples:
                     check_mapping_headroom()
                     traffic.burst(lanes, sampled)
+            sizes = lane_sizes(warm.max_running)
+            for previous, size in itertools.pairwise(sizes):
+                check_mapping_headroom()
+                traffic.joins_into(previous, size)
     return kinds
 
 
@@ -193,7 +199,7 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
             caps = buckets(max_context + (0 if decoder.whole_blocks else UNIT))
             variants = (2 if decoder.whole_blocks else 1) * (2 if sample and mode != Mode.SELF_SPECULATIVE else 1)
             counts["steps"] += len(caps) * sizes * variants
-            counts["joins"] += len(caps) * (2 * sizes - 1)
+            counts["joins"] += len(caps) * (2 * sizes - 1 + _busy_joins(max_running))
             counts["resizes"] += len(caps) * (2 * sizes - 1)
             staging.update(caps)
             chunk = max(unit, chunk_size // unit * unit)
@@ -204,6 +210,17 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     counts.update(prefills=len(prefills), staging=len(staging))
     counts["total"] = sum(counts.values())
     return counts
+
+
+def _busy_joins(max_running: int) -> int:
+    """Joins `_Traffic.joins_into` adds to one-by-one's and the bursts': 2, 4, ... requests into a
+    lane of each size that the size before it holds (their count padded to a power of two)."""
+    sizes, extra = lane_sizes(max_running), 0
+    for previous, size in itertools.pairwise(sizes):
+        count = 2
+        while previous + count <= size:
+            extra, count = extra + 1, count * 2
+    return extra
 
 
 @contextlib.contextmanager
@@ -308,6 +325,27 @@ class _Traffic:
                                           for index in range(size)], waits)
         for wait in waits:
             wait.until(self.timeout)
+        self._end(handles, waits)
+
+    def joins_into(self, previous: int, size: int) -> None:
+        """A lane of `size` slots that `previous` requests hold (they join one by one), then 1, 2,
+        4, ... requests arriving together while there is room, each group ended before the next: the
+        join of every padded count into a lane of that size (a burst meeting a busy lane)."""
+        handles, waits = [], []
+        for index in range(previous):
+            wait = _Wait(1)
+            handles.append(self.engine.submit(self._request(self.max_new_tokens, False, index), wait))
+            waits.append(wait)
+            wait.until(self.timeout)
+        count = 2  # one joining a busy lane was `one_by_one`'s
+        while previous + count <= size:
+            group = [_Wait(1) for _ in range(count)]
+            joined = self.engine.submit_all([self._request(self.max_new_tokens, False, previous + index)
+                                             for index in range(count)], group)
+            for wait in group:
+                wait.until(self.timeout)
+            self._end(joined, group)
+            count *= 2
         self._end(handles, waits)
 
     def _end(self, handles, waits) -> None:
