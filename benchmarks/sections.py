@@ -366,14 +366,17 @@ def render_training(j: dict):
 def render_soak(j: dict):
     def row(when, phase):
         cache = phase["prefix_cache"]
+        without = phase.get("rss_without_programs_bytes")
         return [when, phase["requests"], f(phase["rss_bytes"] / 2**30), f((phase["rss_trimmed_bytes"] or 0) / 2**30),
-                phase["programs"], phase["live_arrays"], cache["bytes"], cache["hits"], cache["evicted"]]
+                f(without / 2**30 if without else None), phase["programs"], phase["live_arrays"], cache["bytes"],
+                cache["hits"], cache["evicted"]]
 
     rows, done = [row("after the warm-up", j["after_warmup"])], j["warmup"]
     for phase in j["phases"]:
         done += phase["requests"]
         rows.append(row(f"after {done} requests", phase))
-    lines = table(["when", "requests in the phase", "resident GiB", "after malloc_trim", "engine programs",
+    lines = table(["when", "requests in the phase", "resident GiB", "after malloc_trim", "without the programs",
+                   "engine programs",
                    "live arrays", "prefix cache bytes", "cache hits", "evictions"], rows)
     lines.append("")
     cache = j["prefix_cache"]
@@ -381,10 +384,10 @@ def render_soak(j: dict):
                  f"{j['server_errors']}; left in the engine {j['left_in_engine']}; prefix cache {cache['bytes']} of "
                  f"{cache['budget']} bytes, counted afresh {cache['counted']}; resident "
                  f"{f((j['rss_loaded_bytes'] or 0) / 2**30)} GiB with the model loaded, "
-                 f"{f(j['rss_without_programs_bytes'] / 2**30)} GiB at the end once the compiled programs were "
-                 f"dropped (they held {f((j['bytes_freed_by_dropping_programs'] or 0) / 2**30)} GiB).")
+                 f"{f(j['rss_without_programs_bytes'] / 2**30)} GiB at the end with the compiled programs dropped.")
     lines.append("")
-    return lines, [["soak", "resident memory growth after the warm-up (after malloc_trim)", f(j["rss_growth"])]]
+    return lines, [["soak", f"resident memory growth after the warm-up ({j['rss_growth_measured_on']})",
+                    f(j["rss_growth"])]]
 
 
 def render_lora(j: dict):

@@ -317,6 +317,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="400 requests after a 100-request warm-up")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.quick:
         args.requests, args.warmup, args.phase = 400, 100, 100
     result = soak(requests=args.requests, warmup=args.warmup, phase=args.phase, concurrency=args.concurrency,
