@@ -59,6 +59,8 @@ MODES = ("diffusion", "autoregressive", "self_speculative")
 PROGRESS = ("requests", "seconds", "rss_bytes", "rss_trimmed_bytes", "rss_without_programs_bytes", "programs",
             "process_compiles", "live_arrays", "prefix_cache")
 logger = logging.getLogger("soak")
+# JAX's event for each executable it compiles or loads from the persistent cache (jax._src.dispatch)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
@@ -71,10 +73,9 @@ class CompileCounter:
 
     def start(self) -> "CompileCounter":
         import jax
-        from jax._src import dispatch
 
         def listen(event, _duration, fun_name="?", **_):
-            if self.active and event == dispatch.BACKEND_COMPILE_EVENT:
+            if self.active and event == BACKEND_COMPILE_EVENT:
                 self.by_name[fun_name] += 1
 
         self.active, self._listener = True, listen
