@@ -364,19 +364,30 @@ def render_training(j: dict):
 
 
 def render_soak(j: dict):
-    warm = j["after_warmup"]
-    rows = [["after the warm-up", j["warmup"], f(warm["rss_bytes"] / 2**30), warm["programs"]]]
-    done = j["warmup"]
+    def row(when, phase):
+        cache = phase["prefix_cache"]
+        without = phase.get("rss_without_programs_bytes")
+        return [when, phase["requests"], f(phase["rss_bytes"] / 2**30), f((phase["rss_trimmed_bytes"] or 0) / 2**30),
+                f(without / 2**30 if without else None), phase["programs"], phase["live_arrays"], cache["bytes"],
+                cache["hits"], cache["evicted"]]
+
+    rows, done = [row("after the warm-up", j["after_warmup"])], j["warmup"]
     for phase in j["phases"]:
         done += phase["requests"]
-        rows.append([f"after {done} requests", phase["requests"], f(phase["rss_bytes"] / 2**30), phase["programs"]])
-    lines = table(["when", "requests in the phase", "resident GiB", "engine programs"], rows)
+        rows.append(row(f"after {done} requests", phase))
+    lines = table(["when", "requests in the phase", "resident GiB", "after malloc_trim", "without the programs",
+                   "engine programs",
+                   "live arrays", "prefix cache bytes", "cache hits", "evictions"], rows)
     lines.append("")
-    lines.append(f"Concurrency {j['concurrency']}; 5xx or transport failures {j['server_errors']}; left in the engine "
-                 f"{j['left_in_engine']}; dropping the compiled programs afterwards freed "
-                 f"{f(j['bytes_freed_by_dropping_programs'] / 2**30)} GiB.")
+    cache = j["prefix_cache"]
+    lines.append(f"Concurrency {j['concurrency']}; phases: {j['traffic']}; 5xx or transport failures "
+                 f"{j['server_errors']}; left in the engine {j['left_in_engine']}; prefix cache {cache['bytes']} of "
+                 f"{cache['budget']} bytes, counted afresh {cache['counted']}; resident "
+                 f"{f((j['rss_loaded_bytes'] or 0) / 2**30)} GiB with the model loaded, "
+                 f"{f(j['rss_without_programs_bytes'] / 2**30)} GiB at the end with the compiled programs dropped.")
     lines.append("")
-    return lines, [["soak", "resident memory growth after the warm-up", f(j["rss_growth"])]]
+    return lines, [["soak", f"resident memory growth after the warm-up ({j['rss_growth_measured_on']})",
+                    f(j["rss_growth"])]]
 
 
 def render_lora(j: dict):

@@ -1,87 +1,154 @@
 """Soak: one server of the bundled model under thousands of mixed requests, and what is left after.
 
-The requests (a fixed random mix, `--seed`): chat and completions; the three decoding modes;
-greedy and sampled; streamed and whole; a tenth cancelled mid-stream (the client closes the
-stream after its first chunk); a tenth invalid (one bad field: a 4xx); prompts of 1 to 24 digits,
-so that prompt lengths, batch sizes and cache sizes keep changing. `--concurrency` clients each
-send their next request when the last one ends.
+The traffic (`benchmarks/soak_traffic.py`, a fixed random mix for a `--seed`): single requests —
+chat and completions, the three decoding modes, greedy and sampled, streamed and whole, some
+cancelled mid-stream, some invalid — and multi-turn conversations that resend their growing
+transcript (prefix-cache hits). The engine's prefix cache has a small budget (`--prefix-cache-mb`)
+that the warm-up fills, so that it evicts all through the soak. `--concurrency` clients each send
+their next request when the last one ends.
 
-Measured: after a warm-up (`--warmup` requests), the server's resident memory (RSS) and the
-number of compiled programs the engine holds, then again after each phase of `--phase` requests.
-At the end: nothing running or queued, no lane or held request left, no 5xx. To tell a leak from
-compiled programs, the engine's compiled programs are then freed (`jax.clear_caches()`) and the
-memory read once more: what that frees is what the programs held.
+Measured after a warm-up (`--warmup` requests) and after each phase of `--phase` requests (the
+phases send the warm-up's requests again, or new ones with `--fresh`), the engine idle: the
+server's resident memory (RSS), then RSS again after glibc's free heap pages are handed back
+(`malloc_trim`: pages glibc keeps after a free are not a leak), the compiled programs (the
+engine's jitted functions', and every executable the process compiled or loaded, eager operations
+included), the live JAX arrays (count and bytes), the Python heap (`--tracemalloc`), and the prefix
+cache's bytes, entries, hits and evictions. Then every compiled program is freed
+(`jax.clear_caches()`) and RSS read once more: the memory without the programs (the engine loads
+them back from the persistent compilation cache as requests need them; `--keep-programs` skips this).
 
-The server runs with its default prefix cache; what the cache holds (bounded by its budget) is
-taken out of the memory growth and reported beside it.
+Why: the programs are most of the memory (about 8.5 MB each for this model on XLA:CPU), and new
+ones keep arriving all through a soak, even for the same requests sent again — a join's program
+depends on the lane's shape, how many join and each joining request's cache bucket, and which
+requests meet in a step depends on timing. Their number is bounded by the engine's buckets (checked
+below); the memory that must not grow is the rest.
 
-Targets (`make bench`): memory growth from the end of the warm-up to the end <= 10%; no 5xx; nothing
-left in the engine. Usage: `python benchmarks/soak.py [--requests 1000] [--warmup 300] [--phase 250]
-[--concurrency 8] [--quick]`; `tests/test_soak.py` runs a short version.
+Checked at the end: no 5xx or transport failure; nothing running, queued, held, prefilling or in a
+lane; the prefix cache within its budget, its byte, chunk and state counts equal to the trie counted
+afresh, and no chunk that no kept state needs; each engine function's programs at any reading
+within the bound its buckets allow (`program_bound`; for joins a loose one); resident memory
+without the programs grown by at most 10% from the end of the warm-up (after `malloc_trim` with
+`--keep-programs`).
+
+Usage: `python benchmarks/soak.py [--requests 1500] [--warmup 150] [--phase 300] [--concurrency 8]
+[--prefix-cache-mb 1] [--fresh] [--keep-programs] [--tracemalloc] [--quick]` — exits 1 naming every
+missed target; `tests/test_soak.py` runs a short version.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import gc
+import logging
 import os
-import random
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import REPO_ROOT, check, emit, machine, setup_environment  # noqa: E402
+from benchmarks.soak_traffic import request_count, request_mix, run_phase  # noqa: E402
 
 setup_environment()
 
 BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
 GROWTH_TARGET = 0.10
+BLOCK_SIZES = (16,)   # the mix asks for the checkpoint's block size only
+MODES = ("diffusion", "autoregressive", "self_speculative")
+PROGRESS = ("requests", "seconds", "rss_bytes", "rss_trimmed_bytes", "rss_without_programs_bytes", "programs",
+            "process_compiles", "live_arrays", "prefix_cache")
+logger = logging.getLogger("soak")
+# JAX's event for each executable it compiles or loads from the persistent cache (jax._src.dispatch)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def request_mix(count: int, seed: int) -> list[dict]:
-    """`count` requests: {"path", "body", "cancel", "invalid"}, the same for a seed."""
-    chooser = random.Random(seed)
-    requests = []
-    for _ in range(count):
-        digits = " ".join(str(chooser.randrange(10)) for _ in range(chooser.randint(1, 24)))
-        mode = chooser.choice(["diffusion", "diffusion", "autoregressive", "self_speculative"])
-        body = {"model": "tiny-clover", "max_tokens": chooser.choice([8, 16, 32, 48]), "mode": mode}
-        if mode != "self_speculative" and chooser.random() < 0.3:
-            body.update(temperature=0.8, seed=chooser.randrange(2**31))
-        chat = chooser.random() < 0.7
-        if chat:
-            body["messages"] = [{"role": "user", "content": "sort " + digits}]
-        else:
-            body["prompt"] = "sort " + digits
-        stream = chooser.random() < 0.5
-        body["stream"] = stream
-        cancel = stream and chooser.random() < 0.2
-        invalid = chooser.random() < 0.1
-        if invalid:
-            body[chooser.choice(["temperature", "top_p", "max_tokens", "mode"])] = chooser.choice([-1, "many", 1e9])
-        requests.append({"path": "/v1/chat/completions" if chat else "/v1/completions", "body": body,
-                         "cancel": cancel and not invalid, "invalid": invalid})
-    return requests
+class CompileCounter:
+    """Every executable this process compiles or loads from the persistent cache after `start`
+    (JAX's backend-compile event, eager operations included), by function name."""
+
+    def __init__(self):
+        self.by_name: collections.Counter = collections.Counter()
+        self.active = False
+
+    def start(self) -> "CompileCounter":
+        import jax
+
+        def listen(event, _duration, fun_name="?", **_):
+            if self.active and event == BACKEND_COMPILE_EVENT:
+                self.by_name[fun_name] += 1
+
+        self.active, self._listener = True, listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def stop(self) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
 
 
-def engine_programs() -> int:
-    """Compiled programs the serving engine's jitted functions hold in this process."""
-    from decoding.engine import autoregressive_lane, diffusion_lane, slots, speculative_lane
+def engine_programs() -> dict[str, int]:
+    """Compiled programs each of the engine's jitted functions holds (lanes, slots, prefix cache)."""
+    from decoding.engine import prefix_cache
+    from decoding.engine.precompile import PROGRAMS
 
-    return sum(value._cache_size() for module in (autoregressive_lane, diffusion_lane, slots, speculative_lane)
-               for value in vars(module).values() if hasattr(value, "_cache_size"))
+    functions = list(PROGRAMS) + [value for value in vars(prefix_cache).values() if hasattr(value, "_cache_size")]
+    return {function.__name__: function._cache_size() for function in functions}
 
 
-def _return_free_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc keeps them otherwise, and RSS would
-    not show what freeing the programs freed)."""
-    import ctypes
+def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int]:
+    """The most programs each engine function can compile, from the engine's buckets: lane sizes L
+    (powers of two up to `max_running`), cache buckets C of each lane kind (64, 128, ... up to its
+    rows), prefill chunk lengths P (with a prefix cache, powers of two up to the model's chunk).
 
+    steps: L x C x variants per lane kind (greedy and sampled; diffusion with and without a commit);
+    resizes (take_slots): a lane or one request's entry (L x C) into a lane (L x C), per kind; joins
+    (put_slots): a lane (L x C) and j <= its size entries (j a power of two), each entry's rows a
+    bucket of C (|C|^j orders), per kind; prefill chunks: P x C x (first, later); staging states: C;
+    the prefix cache's copies: per staging bucket (kv_rows, gdn_states, put_kv_rows, put_gdn) and
+    per lane shape (slot_gdn, slot_kv_rows)."""
+    from decoding.engine.engine import UNIT
+    from decoding.engine.precompile import buckets, lane_sizes
+    from decoding.modes import Mode, strategy
+
+    sizes = lane_sizes(engine.max_running)
+    bound = collections.Counter()
+    staging = set()
+    for mode in modes:
+        decoder = strategy(Mode(mode))
+        for _ in (block_sizes if decoder.decodes_blocks else [None]):
+            caps = buckets(engine.max_context + (0 if decoder.whole_blocks else UNIT))
+            staging.update(caps)
+            variants = (2 if decoder.whole_blocks else 1) * (1 if Mode(mode) == Mode.SELF_SPECULATIVE else 2)
+            lanes = len(sizes) * len(caps)
+            step = {Mode.DIFFUSION: "diffusion_step", Mode.AUTOREGRESSIVE: "autoregressive_step",
+                    Mode.SELF_SPECULATIVE: "speculative_step"}[Mode(mode)]
+            bound[step] += lanes * variants
+            bound["take_slots"] += lanes * lanes
+            bound["put_slots"] += sum(len(caps) ** joins for size in sizes for joins in sizes if joins <= size) \
+                * len(caps)
+            bound["slot_gdn"] += lanes
+            bound["slot_kv_rows"] += lanes
+    chunk = engine.model.chunk_size
+    chunks = [1 << power for power in range(chunk.bit_length()) if 1 << power <= chunk]
+    bound["prefill_chunk"] = len(chunks) * len(staging) * 2
+    for name in ("empty_staging", "kv_rows", "gdn_states", "put_kv_rows", "put_gdn"):
+        bound[name] = len(staging)
+    return dict(bound)
+
+
+def malloc_trim() -> bool:
+    """Hand glibc's free heap pages back to the system; False where the C library is not glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def rss_bytes() -> int:
@@ -90,125 +157,181 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def cache_bytes(service) -> int:
-    """Bytes the engine's prefix cache holds (0 without one)."""
+def reading(service, compiles: CompileCounter, outcomes: dict, requests: int, started: float,
+            drop_programs: bool) -> dict:
+    """Memory, programs and cache after a phase (the engine idle, the garbage collected first);
+    drop_programs: then free every compiled program and read the memory without them (the engine
+    loads them again from the persistent compilation cache as requests need them)."""
+    import tracemalloc
+
+    import jax
+
+    deadline = time.monotonic() + 60  # cancellations are seen at the engine's next step
+    while service.engine.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    rss = rss_bytes()
+    trimmed = rss_bytes() if malloc_trim() else None
+    arrays = jax.live_arrays()
     cache = service.engine.prefix_cache
-    return 0 if cache is None else cache.nbytes
+    programs = engine_programs()
+    without = None
+    if drop_programs:
+        jax.clear_caches()
+        gc.collect()
+        without = rss_bytes() if malloc_trim() else None
+    return {"requests": requests, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 1),
+            "rss_bytes": rss, "rss_trimmed_bytes": trimmed, "rss_without_programs_bytes": without,
+            "programs": sum(programs.values()), "programs_by_function": programs, "process_compiles": compiles.total,
+            "live_arrays": len(arrays), "live_array_bytes": sum(array.nbytes for array in arrays),
+            "python_heap_bytes": tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else None,
+            "prefix_cache": {"bytes": cache.nbytes, "nodes": cache.nodes, "states": cache.states, "hits": cache.hits,
+                             "hit_tokens": cache.hit_tokens, "evicted": cache.evicted}}
 
 
-def send(url: str, request: dict, outcomes: dict, lock: threading.Lock) -> None:
-    import httpx
+def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int = 0, max_running: int = 8,
+         prefix_cache_bytes: int = 1 << 20, python_heap: bool = False, fresh: bool = False,
+         drop_programs: bool = True) -> dict:
+    """See the module docstring. fresh: the phases send new requests of the same kinds (a mix of
+    another seed) rather than the warm-up's again, so that new shapes, and programs, keep arriving;
+    drop_programs: free the compiled programs after each reading (see `reading`)."""
+    import tracemalloc
 
-    kind = "cancelled" if request["cancel"] else "invalid" if request["invalid"] else "served"
-    try:
-        with httpx.Client(timeout=600) as http:
-            if request["body"]["stream"]:
-                with http.stream("POST", url + request["path"], json=request["body"]) as response:
-                    status = response.status_code
-                    for _ in response.iter_lines():
-                        if request["cancel"]:
-                            break  # leave mid-stream: the server cancels the request
-            else:
-                status = http.post(url + request["path"], json=request["body"]).status_code
-    except Exception as error:  # a transport failure is an outcome too
-        status = f"transport: {type(error).__name__}"
-    with lock:
-        outcomes[(kind, status)] = outcomes.get((kind, status), 0) + 1
-
-
-def run_phase(url: str, requests: list[dict], concurrency: int) -> dict:
-    outcomes: dict = {}
-    lock = threading.Lock()
-    pending = iter(requests)
-    take = threading.Lock()
-
-    def client():
-        while True:
-            with take:
-                request = next(pending, None)
-            if request is None:
-                return
-            send(url, request, outcomes, lock)
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return {f"{kind} {status}": count for (kind, status), count in sorted(outcomes.items(), key=str)}
-
-
-def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int = 0, max_running: int = 8) -> dict:
     import httpx
 
     from clover_jax.api.serving.app import create_app
     from clover_jax.api.serving.server import ServerThread, build_service
 
-    service = build_service(BUNDLED_DIR, name="tiny-clover", max_running=max_running)
-    mix = request_mix(warmup + requests, seed)
+    service = build_service(BUNDLED_DIR, name="tiny-clover", max_running=max_running,
+                            prefix_cache_bytes=prefix_cache_bytes, block_sizes=BLOCK_SIZES)
+    engine, cache = service.engine, service.engine.prefix_cache
+    compiles = CompileCounter().start()
+    gc.collect()
+    loaded = rss_bytes() if malloc_trim() else None  # the model loaded, no program compiled yet
+    if python_heap:
+        tracemalloc.start()
+    warm_items = request_mix(warmup, seed)
+    items = request_mix(requests, seed + 1) if fresh else _replayed(warm_items, requests)
     phases = []
     with ServerThread(create_app(service)) as server:
         started = time.perf_counter()
-        warm = run_phase(server.url, mix[:warmup], concurrency)
-        gc.collect()
-        after_warmup = {"rss_bytes": rss_bytes(), "programs": engine_programs(), "outcomes": warm,
-                        "prefix_cache_bytes": cache_bytes(service)}
-        for start in range(warmup, warmup + requests, phase):
-            chunk = mix[start:start + phase]
-            outcomes = run_phase(server.url, chunk, concurrency)
-            gc.collect()
-            phases.append({"requests": len(chunk), "rss_bytes": rss_bytes(), "programs": engine_programs(),
-                           "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 1),
-                           "prefix_cache_bytes": cache_bytes(service)})
+        after_warmup = reading(service, compiles, run_phase(server.url, warm_items, concurrency),
+                               request_count(warm_items), started, drop_programs)
+        heap_at_warmup = tracemalloc.take_snapshot() if python_heap else None
+        logger.info("soak: the warm-up: %s", {key: after_warmup[key] for key in PROGRESS})
+        done = 0
+        while done < len(items):
+            chunk, total = [], 0
+            while done < len(items) and total < phase:
+                chunk.append(items[done])
+                total += request_count([items[done]])
+                done += 1
+            phases.append(reading(service, compiles, run_phase(server.url, chunk, concurrency), total, started,
+                                  drop_programs))
+            logger.info("soak: %s", {key: phases[-1][key] for key in PROGRESS})
         deadline = time.monotonic() + 60  # cancellations are seen at the engine's next step
-        while service.engine.running() and time.monotonic() < deadline:
+        while engine.running() and time.monotonic() < deadline:
             time.sleep(0.05)
         health = httpx.get(server.url + "/health", timeout=60).json()
-    engine = service.engine
+    heap_growth = None
+    if python_heap:
+        heap_growth = [str(stat) for stat in tracemalloc.take_snapshot().compare_to(heap_at_warmup, "lineno")[:10]]
+        tracemalloc.stop()
     left = {"running": health["running"], "queued": health["queued"], "held": len(engine._held),
             "lanes": len(engine._lanes), "prefills": len(engine._prefills)}
-    service.engine.close()
-    before_free = rss_bytes()
+    census = cache.census()
+    cache_state = {"budget": cache.budget, "bytes": cache.nbytes, "nodes": cache.nodes, "states": cache.states,
+                   "counted": census, "evicted": cache.evicted, "hits": cache.hits, "hit_tokens": cache.hit_tokens}
+    programs = collections.Counter()  # each function's most programs at any reading
+    for one in [after_warmup, *phases]:
+        programs |= collections.Counter(one["programs_by_function"])
+    bound = program_bound(engine)
+    engine.close()
     import jax
 
+    before_free = rss_bytes() if malloc_trim() else None
     jax.clear_caches()
     gc.collect()
-    _return_free_heap()
-    freed = before_free - rss_bytes()
+    malloc_trim()
+    compiles.stop()
     end = phases[-1] if phases else after_warmup
-    # the prefix cache holds what it keeps on purpose, within its budget: its own bytes are not a leak
-    cache_growth = end["prefix_cache_bytes"] - after_warmup["prefix_cache_bytes"]
-    growth = (end["rss_bytes"] - cache_growth) / after_warmup["rss_bytes"] - 1
+    measure = "rss_without_programs_bytes" if drop_programs else "rss_trimmed_bytes"
     server_errors = sum(count for phase_ in [after_warmup, *phases] for key, count in phase_["outcomes"].items()
                         if key.split()[-1].startswith(("5", "transport")))
-    return {"requests": requests, "warmup": warmup, "concurrency": concurrency, "after_warmup": after_warmup,
-            "phases": phases, "left_in_engine": left, "server_errors": server_errors, "rss_growth": growth,
-            "rss_growth_with_prefix_cache": end["rss_bytes"] / after_warmup["rss_bytes"] - 1,
-            "bytes_freed_by_dropping_programs": freed, "finished": dict(health["finished"])}
+    return {"requests": request_count(items), "warmup": request_count(warm_items), "concurrency": concurrency,
+            "after_warmup": after_warmup, "phases": phases, "left_in_engine": left, "server_errors": server_errors,
+            "rss_growth": (end[measure] or end["rss_bytes"]) / (after_warmup[measure] or after_warmup["rss_bytes"]) - 1,
+            "rss_growth_measured_on": measure if end[measure] else "rss_bytes",
+            "rss_growth_with_programs": end["rss_bytes"] / after_warmup["rss_bytes"] - 1,
+            "prefix_cache": cache_state, "programs_by_function": dict(programs), "program_bound": bound,
+            "process_compiles_by_function": dict(compiles.by_name.most_common(40)),
+            "python_heap_growth_top": heap_growth, "traffic": "fresh" if fresh else "the warm-up's, again",
+            "rss_loaded_bytes": loaded, "rss_without_programs_bytes": rss_bytes(),
+            "bytes_freed_by_dropping_programs": before_free - rss_bytes() if before_free else None,
+            "finished": dict(health["finished"])}
 
 
-def main() -> None:
+def _replayed(items: list[dict], requests: int) -> list[dict]:
+    """`items` again and again, up to `requests` requests (a conversation is kept whole)."""
+    replayed, total = [], 0
+    while items and total < requests:
+        for item in items:
+            if total >= requests:
+                break
+            replayed.append(item)
+            total += request_count([item])
+    return replayed
+
+
+def checks(result: dict) -> list[dict]:
+    """The soak's targets (see the module docstring), each a `check`."""
+    cache = result["prefix_cache"]
+    counted = cache["counted"]
+    mismatched = sum(cache[name] != counted[name] for name in ("bytes", "nodes", "states")) + counted["unneeded"]
+    over_bound = sum(max(0, count - result["program_bound"].get(name, 0))
+                     for name, count in result["programs_by_function"].items())
+    return [
+        check(f"soak: resident memory growth after the warm-up ({result['rss_growth_measured_on']})",
+              result["rss_growth"], GROWTH_TARGET, at_least=False),
+        check("soak: responses with a 5xx or a transport failure", result["server_errors"], 0, at_least=False),
+        check("soak: requests, lanes or prefills left in the engine", sum(result["left_in_engine"].values()), 0,
+              at_least=False),
+        check("soak: prefix cache bytes over its budget", max(0, cache["bytes"] - cache["budget"]), 0, at_least=False),
+        check("soak: prefix cache counts unlike the trie counted afresh, or chunks no state needs", mismatched, 0,
+              at_least=False),
+        check("soak: engine programs beyond what its buckets allow", over_bound, 0, at_least=False),
+    ]
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--phase", type=int, default=250)
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--warmup", type=int, default=150)
+    parser.add_argument("--phase", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-cache-mb", type=float, default=1.0)
+    parser.add_argument("--fresh", action="store_true", help="phases of new requests, not the warm-up's again")
+    parser.add_argument("--keep-programs", action="store_true",
+                        help="never free the compiled programs between phases (resident memory then grows with them)")
+    parser.add_argument("--tracemalloc", action="store_true", help="also follow the Python heap (slower)")
     parser.add_argument("--quick", action="store_true", help="400 requests after a 100-request warm-up")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.quick:
         args.requests, args.warmup, args.phase = 400, 100, 100
     result = soak(requests=args.requests, warmup=args.warmup, phase=args.phase, concurrency=args.concurrency,
-                  seed=args.seed)
-    left = sum(result["left_in_engine"].values())
-    result["checks"] = [
-        check("soak: resident memory growth after the warm-up", result["rss_growth"], GROWTH_TARGET, at_least=False),
-        check("soak: responses with a 5xx or a transport failure", result["server_errors"], 0, at_least=False),
-        check("soak: requests, lanes or prefills left in the engine", left, 0, at_least=False),
-    ]
+                  seed=args.seed, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20), python_heap=args.tracemalloc,
+                  fresh=args.fresh, drop_programs=not args.keep_programs)
+    result["checks"] = checks(result)
     result["machine"] = machine()
     emit(result)
+    missed = [one["name"] for one in result["checks"] if not one["passed"]]
+    for name in missed:
+        print(f"soak: target missed: {name}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

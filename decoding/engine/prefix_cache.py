@@ -170,13 +170,23 @@ class PrefixCache:
 
     def held_bytes(self) -> int:
         """Bytes of every array the trie holds, counted afresh (the accounting's check)."""
+        return self.census()["bytes"]
+
+    def census(self) -> dict[str, int]:
+        """The trie counted afresh, to check the running counts against (`nbytes`, `nodes`,
+        `states`): bytes of every array it holds, its chunks, the chunks holding GDN states, and
+        the chunks that no kept state needs (a leaf without states: eviction should have dropped it)."""
         with self._lock:
-            total, stack = 0, list(self._root.children.values())
+            counts = {"bytes": 0, "nodes": 0, "states": 0, "unneeded": 0}
+            stack = list(self._root.children.values())
             while stack:
                 node = stack.pop()
-                total += _nbytes(node.kv) + (_nbytes(node.gdn) if node.gdn is not None else 0)
+                counts["bytes"] += _nbytes(node.kv) + (_nbytes(node.gdn) if node.gdn is not None else 0)
+                counts["nodes"] += 1
+                counts["states"] += node.gdn is not None
+                counts["unneeded"] += node.gdn is None and not node.children
                 stack.extend(node.children.values())
-            return total
+            return counts
 
 
 # ---------------------------------------------------------------------- device copies

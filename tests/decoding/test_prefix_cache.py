@@ -135,6 +135,8 @@ def test_the_trie_keeps_bytes_and_evicts_the_least_recently_used():
     assert cache.lookup([1, 2, 5, 6], limit=4) is None and cache.lookup([7, 8], limit=2).length == 2
     assert cache.lookup([1, 2, 3, 4], limit=4).length == 4 and cache.lookup([9, 9], limit=2).length == 2
     assert cache.nbytes == cache.held_bytes() == 1000 and (cache.evicted, cache.nodes) == (1, 4)
+    # counted afresh: chunks [1,2] [3,4] [7,8] [9,9], states at the last three, no chunk [5, 6] left behind
+    assert cache.census() == {"bytes": 1000, "nodes": 4, "states": 3, "unneeded": 0} and cache.states == 3
     cache.store([5] * 12, 12, rows, gdn)                       # 800 alone: everything older goes
     assert cache.nbytes == cache.held_bytes() == 800 and cache.lookup([1, 2, 3, 4], limit=4) is None
     cache.store([6] * 20, 20, rows, gdn)                       # 1200 alone: over budget, kept nowhere
