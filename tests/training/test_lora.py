@@ -74,7 +74,10 @@ def test_an_adapted_training_pass_equals_the_merged_weights(small_clover, clover
                                                                                        trainable, spec))
     base = block_diffusion_logits(small_clover, clean, noisy, 8)
     assert relative_gap(merged, base) > 0.05  # the adapter is far from trivial
-    assert relative_gap(attached, merged) < 1e-5
+    # The training pass keeps the frozen LM head (`lora.attach`): only the mask token's own logit,
+    # which the loss and decoding set to -inf, may differ from the merged weights'.
+    kept = np.arange(merged.shape[-1]) != MASK_ID
+    assert relative_gap(attached[..., kept], merged[..., kept]) < 1e-5
 
 
 def test_the_adapter_directory_loads_onto_its_base_as_the_merged_model(small_clover, small_clover_checkpoint,
