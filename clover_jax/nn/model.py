@@ -129,6 +129,10 @@ class LayerGroup(nn.Module):
         return (hidden, layers), None
 
 
+# The embedding's optional parameter [hidden]: the mask token's row, read instead of the table's.
+TRAINED_MASK_ROW = "trained_mask_row"
+
+
 class Embedding(nn.Module):
     """Token embedding: ids int [batch, tokens] -> [batch, tokens, hidden] (its table is the tied LM
     head when `config.tie_word_embeddings`)."""
@@ -140,7 +144,13 @@ class Embedding(nn.Module):
         self.embedding = table_param(self, self.config, "embedding")
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        embedded = jnp.take(self.embedding, ids, axis=0)
+        if self.has_variable("params", TRAINED_MASK_ROW):
+            # A LoRA run trains the mask token's row beside its frozen table (`clover_jax.training.lora`):
+            # put in here, the row's gradient is a sum over its positions, not a table-wide scatter.
+            row = self.get_variable("params", TRAINED_MASK_ROW)
+            embedded = jnp.where((ids == self.config.mask_token_id)[..., None], row.astype(embedded.dtype), embedded)
+        return embedded.astype(self.dtype)
 
     def table(self) -> jax.Array:
         return self.embedding

@@ -16,9 +16,10 @@ A LoRA run trains a small pytree, `trainable`, beside the frozen base parameters
 * "mask_rows": the mask token's embedding row and (untied heads) LM-head row — a converted base
   has no trained mask token; the rest of both tables stays frozen.
 
-`attach` builds the parameter tree a pass runs: the frozen base with the factors placed beside
-each adapted weight (`{name}_lora_a`, `{name}_lora_b`, the scale folded into B, read by
-`clover_jax.nn.layers.low_rank_update` and the MoE layer) and the fully trained leaves put in.
+`attach` builds the parameter tree a training pass runs: the frozen base with the factors placed
+beside each adapted weight (`{name}_lora_a`, `{name}_lora_b`, the scale folded into B, read by
+`clover_jax.nn.layers.low_rank_update` and the MoE layer), the fully trained leaves put in and the
+mask token's embedding row beside the frozen table (`embed_tokens/trained_mask_row`).
 `merge` folds everything into the base weights (the merged checkpoint, adapter loading).
 """
 
@@ -35,6 +36,7 @@ import numpy as np
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.params import Path, param_rows
 from clover_jax.core.quantization import QuantizedWeight
+from clover_jax.nn.model import TRAINED_MASK_ROW
 
 # What each `FinetuneConfig.lora_targets` name adapts: full parameter paths, matched on the part
 # inside a decoder layer (`groups/layer_k/` + these).
@@ -128,15 +130,21 @@ def full_items(trainable: dict) -> list[tuple[Path, Any]]:
 
 def attach(base: dict, trainable: dict, spec: LoraSpec) -> dict:
     """The parameter tree a training pass runs: `base` (frozen, any dtype, possibly quantised) with
-    the adapters beside their weights (B scaled), the fully trained leaves and the mask rows put in.
-    Differentiable in `trainable`."""
+    the adapters beside their weights (B scaled), the fully trained leaves put in and the mask
+    token's embedding row beside the table. Differentiable in `trainable`."""
     params = base
     for path, factors in lora_items(trainable):
         params = put(params, path[:-1] + (f"{path[-1]}_lora_a",), factors["a"])
         params = put(params, path[:-1] + (f"{path[-1]}_lora_b",), factors["b"] * spec.scale)
     for path, leaf in full_items(trainable):
         params = put(params, path, leaf.astype(get(base, path).dtype))
-    return _with_mask_rows(params, trainable["mask_rows"], spec)
+    # The tables stay the frozen arrays: a row written into a [vocab, hidden] table would make the
+    # pass copy the table and its gradient a dense [vocab, hidden] array (about 1 GB each at
+    # Clover-35B's vocabulary). The embedding reads the row beside its table (`TRAINED_MASK_ROW`);
+    # the LM head's row only makes the mask token's logit, which the loss sets to −∞ as decoding
+    # does, so the pass leaves it out (its gradient is zero either way; `merge` puts it in).
+    table = base["embed_tokens"]["embedding"]
+    return put(params, ("embed_tokens", TRAINED_MASK_ROW), trainable["mask_rows"]["embedding"].astype(table.dtype))
 
 
 def _with_mask_rows(params: dict, rows: dict, spec: LoraSpec) -> dict:

@@ -24,7 +24,7 @@ from clover_jax.nn.model import CloverTransformer, Params
 from clover_jax.nn.moe import RouterStats
 from clover_jax.training.block_pass import stream_pass
 from clover_jax.training.config import LOSS_WEIGHTINGS
-from clover_jax.training.cross_entropy import DEFAULT_CHUNK_ROWS, chunked_cross_entropy
+from clover_jax.training.cross_entropy import chunked_cross_entropy
 from clover_jax.training.masking import Noise
 
 
@@ -61,7 +61,7 @@ class LossSettings(NamedTuple):
     next_token_weight: float = 1.0
     load_balance_weight: float = 1e-3
     router_z_weight: float = 0.0
-    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    chunk_rows: int | None = None  # the cross-entropy's rows per chunk (None: by the vocabulary)
 
 
 class Normalisers(NamedTuple):

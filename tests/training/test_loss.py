@@ -12,7 +12,12 @@ import pytest
 from clover_jax.core.state import empty_state
 from clover_jax.nn.model import TransformerPasses
 from clover_jax.training.block_pass import differentiable, training_module
-from clover_jax.training.cross_entropy import chunked_cross_entropy
+from clover_jax.training.cross_entropy import (
+    CHUNK_LOGIT_BYTES,
+    DEFAULT_CHUNK_ROWS,
+    chunk_rows_for,
+    chunked_cross_entropy,
+)
 from clover_jax.training.loss import LossSettings, Normalisers, TrainRows, block_rows, loss_parts
 from clover_jax.training.masking import draw_noise
 from tests.conftest import MASK_ID
@@ -144,6 +149,15 @@ def test_chunked_cross_entropy_has_the_value_and_gradient_of_the_whole_logits():
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [50, 151_936, 248_320, 10**8])
+def test_the_cross_entropy_chunk_follows_the_vocabulary(vocab):
+    """The most rows (a power of two, 8 to DEFAULT_CHUNK_ROWS) whose float32 logits fit CHUNK_LOGIT_BYTES."""
+    rows = chunk_rows_for(vocab)
+    assert rows & (rows - 1) == 0 and 8 <= rows <= DEFAULT_CHUNK_ROWS
+    assert rows == 8 or rows * 4 * vocab <= CHUNK_LOGIT_BYTES
+    assert rows == DEFAULT_CHUNK_ROWS or 2 * rows * 4 * vocab > CHUNK_LOGIT_BYTES
 
 
 def cross_entropy_with(logits, targets, excluded):
