@@ -12,8 +12,9 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
   bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane),
   then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
-  requests half fill (a burst meeting a busy lane joins with another program). Each warm-up request is cancelled once
-  its lane has stepped (a diffusion request once its first block is out and committed).
+  requests half fill (a burst meeting a busy lane joins with another program). Each warm-up
+  request is cancelled once its lane has stepped (a diffusion request once its first block is out
+  and committed).
 
 Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
 program on demand; the engine logs every program compiled after `precompile` with its shape.
@@ -328,8 +329,8 @@ class _Traffic:
         self._end(handles, waits)
 
     def joins_into(self, previous: int, size: int) -> None:
-        """A lane of `size` slots that `previous` requests hold (they join one by one), then 1, 2,
-        4, ... requests arriving together while there is room, each group ended before the next: the
+        """A lane of `size` slots that `previous` requests hold (they join one by one), then 2, 4,
+        ... requests arriving together while there is room, each group ended before the next: the
         join of every padded count into a lane of that size (a burst meeting a busy lane)."""
         handles, waits = [], []
         for index in range(previous):
