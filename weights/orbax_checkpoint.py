@@ -189,7 +189,8 @@ def write_error_number(error: BaseException | None) -> int | None:
         code = re.search(r"os_error_code='?(\d+)", str(error))
         if code:
             return int(code.group(1))
-        error = error.__cause__ or error.__context__
+        # the error it was raised from; the one being handled only when not suppressed (`from None`)
+        error = error.__cause__ if error.__cause__ is not None or error.__suppress_context__ else error.__context__
     return None
 
 

@@ -151,6 +151,7 @@ class Saver:
             # a newer checkpoint could be published over the gap
             self.manager.wait_until_finished()
             self._check_published()
+            self._log_errors.number = None  # what Orbax logs from now on belongs to this save
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             progress=ocp.args.JsonSave(progress)), force=final)
             self._started = step
@@ -206,9 +207,12 @@ class Saver:
             if number is None:
                 raise
             self._started = None
-            self.manager.reload()  # what is on disk, not what the manager believed it had started
-            latest = self.manager.latest_step()
-            resume = f"the checkpoint of step {latest} is whole" if latest is not None else "no checkpoint is whole"
+            try:
+                self.manager.reload()  # what is on disk, not what the manager believed it had started
+                latest = self.manager.latest_step()
+                resume = f"the checkpoint of step {latest} is whole" if latest is not None else "no checkpoint is whole"
+            except Exception:  # the write error is the one to report
+                resume = "the latest whole checkpoint could not be listed"
             raise OSError(number, f"saving a training checkpoint in {self.directory} failed: {os.strerror(number)} "
                                   f"(a full disk?); {resume}, and the same command resumes from it once there is "
                                   f"room") from error

@@ -173,7 +173,11 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
         saver = checkpointing.Saver(config.checkpoint_dir, config.checkpoint_every,
                                     base_fingerprint=None if frozen is None else checkpointing.fingerprint(frozen))
     if saver is not None:
-        state, batches.position, history = saver.restore_latest(state, batches.position, history)
+        try:
+            state, batches.position, history = saver.restore_latest(state, batches.position, history)
+        except BaseException:
+            saver.close(failing=True)  # its log handler and manager go with it
+            raise
     key = jax.random.key(config.seed)
     top_p = jnp.float32(top_p)
     step_function = lambda program: functools.partial(train_step, program=program)
