@@ -136,8 +136,8 @@ class PrefixCache:
                         self.nodes += 1
                     node = child
                 if node.gdn is None:
-                    node.gdn = gdn()
-                    node.gdn_bytes = _nbytes(node.gdn)
+                    states = gdn()
+                    node.gdn, node.gdn_bytes = states, _nbytes(states)
                     self.nbytes += node.gdn_bytes
                     self._states.add(node)
             except BaseException:
