@@ -101,14 +101,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_kept_chunk_leads_to_a_kept_state(self):
-        stack, chunks = list(self.cache._root.children.values()), 0
-        while stack:
-            node = stack.pop()
-            chunks += 1
-            assert node.children or node.gdn is not None, "a K/V chunk no kept state needs"
-            stack.extend(node.children.values())
-        assert chunks == self.cache.nodes
-
+        census = self.cache.census()
+        assert census["unneeded"] == 0, "a K/V chunk no kept state needs"
+        assert (census["nodes"], census["states"]) == (self.cache.nodes, self.cache.states)
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                                 derandomize=True, suppress_health_check=[HealthCheck.too_slow])
