@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -42,6 +43,25 @@ def tools_checkpoint(small_clover_checkpoint, tmp_path_factory) -> str:
         shutil.copy(os.path.join(clover_jax.bundled_model_path(), name), directory / name)
     shutil.copy(os.path.join(HERE, "tool_chat_template.jinja"), directory / "chat_template.jinja")
     return str(directory)
+
+
+@pytest.fixture(scope="module")
+def endless_server(tools_checkpoint, tmp_path_factory):
+    """The tools checkpoint whose only end-of-response id is the mask token, which no step writes:
+    its requests run to `max_tokens` unless cancelled, so a test that cancels one mid-flight never
+    races the request's own end (a greedy answer of the random model may end after any number of
+    tokens)."""
+    from tests.conftest import MASK_ID
+
+    directory = tmp_path_factory.mktemp("endless_clover")
+    for name in os.listdir(tools_checkpoint):
+        shutil.copy(os.path.join(tools_checkpoint, name), directory / name)
+    with open(directory / "generation_config.json", "w") as handle:
+        json.dump({"eos_token_id": [MASK_ID]}, handle)
+    server, service = start(str(directory), "tools-clover", max_running=2)
+    with server:
+        yield server, service
+    service.engine.close()
 
 
 @pytest.fixture(scope="module")
