@@ -8,11 +8,14 @@ request by the target's own compiler compiling the real train step (docs/compili
     option.mesh, option.remat       # the planner's choices
     option.max_seq_len              # the longest sequence (of `seq_lens`) whose step still fits
 
-The mesh: the batch's sequences split over as many chips as divide them (data x expert), the
-experts over up to 8 of those (`train_mesh`), the rest of the chips over the tensor axis. Remat:
-the first of `remat_choices` whose step fits (the config's own when `FinetuneConfig.remat` is not
-"none"). Without `compile`, the arithmetic counts what is exact — parameters, gradients and
-AdamW's moments per chip — and no activations: only the compiler's figure decides a train step.
+The mesh: the config's own when `FinetuneConfig.mesh` is set; else the planner tries, in order,
+the meshes of `train_meshes` — the batch's sequences split over as many chips as divide them
+(data x expert), all of those on the data axis first, then the experts over up to 8 of them — with
+the rest of the chips on the tensor axis. Remat: the first of `remat_choices` whose step fits (the
+config's own when `FinetuneConfig.remat` is not "none"). The first (mesh, remat) that fits is the
+plan; when none fits, the one with the fewest bytes is reported. Without `compile`, the arithmetic
+counts what is exact — parameters, gradients and AdamW's moments per chip, on the first mesh —
+and no activations: only the compiler's figure decides a train step.
 """
 
 from __future__ import annotations
@@ -52,13 +55,26 @@ SEQ_LENS = (4096, 8192, 16384, 32768)
 MAX_EXPERT_AXIS = 8  # the psum dispatch moves [rows, hidden] over the expert axis per MoE layer: keep it short
 
 
-def train_mesh(config: CloverConfig, chips: int, finetune: FinetuneConfig) -> dict:
-    """The planner's training mesh: data x expert = the chips that divide each micro-batch's
-    sequences; expert = the largest of those (up to 8) that divides the experts; tensor = the rest."""
+def train_meshes(config: CloverConfig, chips: int, finetune: FinetuneConfig) -> list[dict]:
+    """The meshes the planner tries, in order: `FinetuneConfig.mesh` alone when it is set; else
+    data x expert = the chips that divide each micro-batch's sequences, tensor = the rest, first
+    with all of them on the data axis, then with the experts over the largest of them (up to 8)
+    that divides the experts.
+
+    Data first because of memory: inside an MoE layer the rows are replicated over the expert axis
+    (its dispatch is one psum, `clover_jax.nn.moe`), so each chip of that axis routes the pairs of
+    every sequence the axis holds. LoRA r16 with expert adapters, H200x8, 8 x 4,096 tokens: 116.4 GB
+    per GPU on (1, 8, 1), 44.1 GB on (8, 1, 1) (the compiler's figures, docs/training.md). The
+    expert-parallel mesh moves fewer bytes (its experts stay split rather than gathered per
+    layer), so it is the second choice, for steps that fit either way only by the user's choice."""
+    if finetune.mesh is not None:
+        return [dict(zip(MESH_AXES, finetune.mesh, strict=True))]
     split = math.gcd(finetune.micro_batch, chips)
     expert = max(d for d in range(1, min(split, MAX_EXPERT_AXIS) + 1)
                  if split % d == 0 and config.num_experts % d == 0)
-    return {"data": split // expert, "expert": expert, "tensor": chips // split}
+    meshes = [{"data": split, "expert": 1, "tensor": chips // split},
+              {"data": split // expert, "expert": expert, "tensor": chips // split}]
+    return meshes[:1] if expert == 1 else meshes
 
 
 def describe_run(finetune: FinetuneConfig) -> str:
@@ -74,18 +90,36 @@ def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compil
     """The plan of one fine-tuning run on `target`: one option (the run on the planner's mesh),
     with the compiler's verdict when `compile` (see the module docstring)."""
     named, chips, device_bytes, where = resolve_target(target)
-    mesh = train_mesh(config, chips, finetune)
+    meshes = train_meshes(config, chips, finetune)
+    if math.prod(meshes[0].values()) != chips:
+        raise ValueError(f"mesh {finetune.mesh} has {math.prod(meshes[0].values())} devices, but {where} has {chips}")
+    options = [_option(config, finetune, mesh, device_bytes) for mesh in meshes]
+    if not compile:
+        return _decide(options[0], where, finetune)
+    if named is None:
+        raise ValueError("compile=True needs a named target (e.g. 'v6e-1', 'H200'); a device list has no compiler")
+    tried = []
+    for option in options:
+        tried.append(_compiled(option, config, named.name, finetune, block_size, seq_lens, remat_choices))
+        if tried[-1].fits:
+            break
+    return _decide(min(tried, key=_compiled_bytes), where, finetune)
+
+
+def _option(config: CloverConfig, finetune: FinetuneConfig, mesh: dict, device_bytes: int) -> Option:
+    """The run on `mesh`, by arithmetic (parameters, gradients and optimizer state per chip)."""
     rules = inference_rules(mesh)
     mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES), config, rules)
     weights, state = _arithmetic(config, finetune, mesh_sharding, mesh)
     quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
-    option = Option(describe_run(finetune), dict(mesh), weights, state, device_bytes,
-                    weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat)
-    if compile:
-        if named is None:
-            raise ValueError("compile=True needs a named target (e.g. 'v6e-1', 'H200'); a device list has no compiler")
-        option = _compiled(option, config, named.name, finetune, block_size, seq_lens, remat_choices)
-    return _decide(option, where, finetune)
+    return Option(describe_run(finetune), dict(mesh), weights, state, device_bytes,
+                  weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat)
+
+
+def _compiled_bytes(option: Option) -> tuple[bool, float]:
+    """Order of compiled options: a fitting one first, then by the compiler's total (refusals last)."""
+    memory = option.compiled[TRAIN_PROGRAM]
+    return (not option.fits, math.inf if memory.error else memory.total_bytes)
 
 
 def _arithmetic(config: CloverConfig, finetune: FinetuneConfig, mesh_sharding: MeshSharding,

@@ -187,7 +187,7 @@ def test_plan_of_a_training_run_prints_the_api_plan(checkpoint):
         method="lora", lora_rank=8, quantize="int4", lora_targets=("attention", "gdn"), batch_size=4, seq_len=64,
         block_size=4))
     (option,) = record["options"]
-    assert option["mesh"] == expected.options[0].mesh == {"data": 1, "expert": 4, "tensor": 1}
+    assert option["mesh"] == expected.options[0].mesh == {"data": 4, "expert": 1, "tensor": 1}
     assert option["weight_bytes"] == expected.options[0].weight_bytes and option["remat"] == "none"
     assert option["weights"] == "qlora r8 int4 base" and record["reason"] == expected.reason
     bad = run_cli("plan", checkpoint, "--target", "v5e-4", "--task", "train", "--method", "full", "--quantize", "int4")

@@ -6,6 +6,7 @@ temporaries at 4,096 and 8,192 tokens, are `benchmarks/train_compile.py`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -29,8 +30,12 @@ def compiled():
 
     config = CloverConfig.from_dict(ONE_GROUP)
     full = FinetuneConfig(method="full", batch_size=2, seq_len=256, block_size=32)
-    return {name: clover_jax.plan(config, name, task="train", config=full, compile=True, **NO_SEARCH)
-            for name in ("v6e-1", "H200x2")}
+    # H200x2 on the mesh the user names (experts split over both GPUs: the expert-parallel dispatch
+    # inside shard_map, with the kernels); the planner's own first choice would be data (2, 1, 1)
+    meshes = {"v6e-1": None, "H200x2": (1, 2, 1)}
+    return {name: clover_jax.plan(config, name, task="train", config=dataclasses.replace(full, mesh=mesh),
+                                  compile=True, **NO_SEARCH)
+            for name, mesh in meshes.items()}
 
 
 @pytest.mark.parametrize("name", ["v6e-1", "H200x2"])
@@ -65,11 +70,63 @@ def test_a_plan_without_the_compiler_counts_parameters_and_optimizer_state():
     full = clover_jax.plan(config, "v5p-64", task="train", config=FinetuneConfig(method="full", batch_size=64,
                                                                                   seq_len=4096, block_size=32))
     (option,) = full.options
-    assert option.mesh == {"data": 4, "expert": 8, "tensor": 1}
+    assert option.mesh == {"data": 32, "expert": 1, "tensor": 1}  # the planner's first mesh
     assert option.compiled is None and option.remat == "none"
-    # float32 master, split 32 ways (experts over 8 chips, everything over the 4 data chips too)
+    # float32 master, split 32 ways (every parameter over the 32 data chips)
     parameters = sum(math.prod(shape) for shape in flat_layout(config).values())
     assert parameters * 4 / 32 <= option.weight_bytes < parameters * 4 / 32 * 1.3
     assert option.state_bytes == 3 * option.weight_bytes
     with pytest.raises(ValueError, match="task='bake' is not one of"):
         clover_jax.plan(config, "v5p-64", task="bake")
+
+
+def test_the_planner_tries_data_first_then_experts_and_reports_the_smallest_when_none_fits(monkeypatch):
+    """The order of meshes and remats the planner compiles, and which it reports, with the compiler's
+    answers given (each compile here would take minutes at Clover-35B's size)."""
+    import clover_jax
+    from clover_jax.api import train_plan
+    from clover_jax.api.aot import ProgramMemory
+    from clover_jax.core.config import CLOVER_35B_A3B
+
+    config = CloverConfig.from_dict(CLOVER_35B_A3B)
+    run = FinetuneConfig(method="lora", lora_rank=16, batch_size=8, seq_len=4096, block_size=32)
+    assert train_plan.train_meshes(config, 8, run) == [{"data": 8, "expert": 1, "tensor": 1},
+                                                        {"data": 1, "expert": 8, "tensor": 1}]
+    assert train_plan.train_meshes(config, 16, run) == [{"data": 8, "expert": 1, "tensor": 2},
+                                                         {"data": 1, "expert": 8, "tensor": 2}]
+    assert train_plan.train_meshes(config, 8, dataclasses.replace(run, mesh=(2, 4, 1))) == [
+        {"data": 2, "expert": 4, "tensor": 1}]
+    assert train_plan.train_meshes(config, 1, run) == [{"data": 1, "expert": 1, "tensor": 1}]
+
+    def answers(table):
+        compiled = []
+
+        def compile_in_subprocess(jobs):
+            (job,) = jobs
+            key = (job.mesh["data"], job.finetune["remat"], job.finetune["seq_len"])
+            compiled.append(key)
+            gb = table.get(key)
+            memory = ProgramMemory(error="RESOURCE_EXHAUSTED: out of memory") if gb is None else \
+                ProgramMemory(int(gb * 1e9), 0, 0, 0)
+            return [{"train_step": memory}]
+
+        monkeypatch.setattr(train_plan, "compile_in_subprocess", compile_in_subprocess)
+        return compiled
+
+    # H200x8 counts 113.07 GB per GPU: 90% is 101.8 GB
+    compiled = answers({(8, "none", 4096): 150, (8, "full", 4096): 120, (8, "layer", 4096): 44, (8, "layer", 8192): 90})
+    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=(8192, 16384))
+    assert compiled == [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096), (8, "layer", 8192),
+                        (8, "layer", 16384)]
+    (option,) = plan.options
+    assert plan.recommendation is option and option.mesh["data"] == 8 and option.remat == "layer"
+    assert option.max_seq_len == 8192
+
+    compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110})
+    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
+    assert compiled == [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096),
+                        (1, "none", 4096), (1, "full", 4096), (1, "layer", 4096)]
+    (option,) = plan.options
+    assert plan.recommendation is None and "does not fit" in plan.reason
+    assert option.mesh == {"data": 1, "expert": 8, "tensor": 1} and option.remat == "layer"
+    assert option.compiled["train_step"].total_bytes == 110e9
