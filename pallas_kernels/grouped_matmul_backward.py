@@ -31,6 +31,7 @@ from pallas_kernels.grouped_matmul import (
     _scale_row,
     default_precision,
     fit_tile,
+    output_zeros,
 )
 from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
 from pallas_kernels.platforms import Variant, per_platform
@@ -217,7 +218,7 @@ def grouped_matmul_dx(
             active = extra[len(scales)] if len(extra) > len(scales) else None
             schedule: WorkTiles = work_tiles(group_sizes, rows, chosen.rows, active)
             padded = jnp.pad(d_out, [(0, padded_rows - rows), (0, 0)])
-            return call(*schedule, padded, rhs, *scales, jnp.zeros((padded_rows, depth), out_dtype))[:rows]
+            return call(*schedule, padded, rhs, *scales, output_zeros(padded, (padded_rows, depth), out_dtype))[:rows]
 
         return run
 
