@@ -157,7 +157,7 @@ def test_streamed_logprobs_put_together_are_the_whole_responses(tools_server, mo
     assert len(streamed) > 0
     assert_same_figures(streamed, chat_figures(whole.logprobs.content))
 
-    prompt = dict(model=MODEL, prompt="sort 3 1 2", max_tokens=10, logprobs=2, echo=True, extra_body={"mode": mode})
+    prompt = dict(model=MODEL, prompt="sort 3 1 2", max_tokens=16, logprobs=2, echo=True, extra_body={"mode": mode})
     reference = client(server).completions.create(**prompt).choices[0].logprobs
     tokens, values, tops, offsets, text = [], [], [], [], ""
     for chunk in client(server).completions.create(stream=True, **prompt):
