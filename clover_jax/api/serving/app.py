@@ -276,11 +276,12 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
     """The chunks of every choice, as each one's events come (choice i: index i). A choice the
     engine failed or the shutdown ended ends the stream with an OpenAI error event.
 
-    scores: per choice, its log-probabilities (`logprobs` asked for): the events that came
-    meanwhile are read together, and the tokens read since the last chunk that carried figures go
-    with the last chunk of their text (a causal mode's text waits for its scoring pass); tokens
-    whose text is still held back (a partial character, a possible stop string or tag) wait for
-    the next chunk. echo_scores: completions with echo, the prompt's figures (echo chunk)."""
+    scores: per choice, its log-probabilities (`logprobs` asked for). The events that came
+    meanwhile are read together, and the figures of the tokens read since the last chunk that
+    carried some go with the first chunk made of them, so a token's figures come with the chunk
+    that carries its text, or before it (text held back: a partial character, a possible stop
+    string or tag), never after; a causal mode's chunk waits for its scoring pass. echo_scores:
+    completions with echo, the prompt's figures (the echo chunk's)."""
     def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
         if chat:
             return {**reply.base("chat.completion.chunk"), "choices": [
@@ -301,12 +302,12 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
             await queue.put((index, event))
 
     async def with_figures(index: int, out: list[dict]) -> list[dict]:
-        """The figures due go with the last chunk; none goes out without its figures."""
+        """The figures due go with the first chunk of `out`."""
         if scores is None or not out or not scores[index].due:
             return out
         one = scores[index]
         figures = await run_in_threadpool(one.take) if one.causal else one.take()
-        out[-1]["choices"][0]["logprobs"] = figures
+        out[0]["choices"][0]["logprobs"] = figures
         return out
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(submissions)]
@@ -350,15 +351,11 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
                     yield error.body()
                     return
                 if chat:
-                    out += pieces(index, deltas)
-                    closing = [{**chunk(index, {}, finish), "clover": reply.clover([final])}]
-                    out = await with_figures(index, out) if out else []
-                    closing = await with_figures(index, closing)
+                    out += pieces(index, deltas) + [{**chunk(index, {}, finish), "clover": reply.clover([final])}]
                 else:
                     words = "".join(c["choices"][0]["text"] for c in out) + "".join(d["content"] for d in deltas)
-                    out, closing = [], await with_figures(
-                        index, [{**chunk(index, {"content": words}, finish), "clover": reply.clover([final])}])
-                for piece in out + closing:
+                    out = [{**chunk(index, {"content": words}, finish), "clover": reply.clover([final])}]
+                for piece in await with_figures(index, out):
                     yield piece
         if include_usage:
             kind = "chat.completion.chunk" if chat else None

@@ -157,6 +157,25 @@ WITH_LOGPROBS = [
 ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, change", CONFORMANCE)
+def test_responses_and_stream_chunks_validate_against_openais_schemas(server, schemas, path, change, stream):
+    thread, _ = server
+    body = {"model": "tiny-clover", "max_tokens": 12, **change, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = httpx.post(thread.url + path, json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    chat = path == "/v1/chat/completions"
+    if not stream:
+        validate(schemas, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse", response.json())
+        return
+    chunks = _events(response)
+    for chunk in chunks:
+        validate(schemas, "CreateChatCompletionStreamResponse" if chat else "CompletionStreamChunk", chunk)
+    assert chunks[-1]["usage"]["total_tokens"] > 0
+
+
 def _figures(choice: dict, chat: bool) -> list:
     """A choice's log-probabilities as one list of per-token rows."""
     if choice["logprobs"] is None:
