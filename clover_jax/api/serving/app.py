@@ -148,8 +148,13 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             scores = _streamed_scores(service, prepared, sampling, chat=False)
             echo_scores = None
             if sampling.logprobs and sampling.echo:
-                echo_scores = [await run_in_threadpool(_echo_scores, service, one, sampling.top_logprobs, scores[i])
-                               for i, one in enumerate(prepared)]
+                try:
+                    echo_scores = [await run_in_threadpool(_echo_scores, service, one, sampling.top_logprobs,
+                                                           scores[i]) for i, one in enumerate(prepared)]
+                except BaseException:  # no stream will end the submitted requests: free their slots here
+                    for submission in submissions:
+                        submission.cancel()
+                    raise
             return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
                                 scores=scores, echo_scores=echo_scores))
         messages, collected = await _collect_all(request, submissions, texts)
@@ -306,7 +311,12 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
         if scores is None or not out or not scores[index].due:
             return out
         one = scores[index]
-        figures = await run_in_threadpool(one.take) if one.causal else one.take()
+        try:
+            figures = await run_in_threadpool(one.take) if one.causal else one.take()
+        except Exception as error:  # the stream has begun (200 sent): it ends with an error event
+            logger.exception("scoring a streamed response failed")
+            raise ApiError(500, f"internal error: scoring the response failed: {type(error).__name__}: {error}",
+                           None, "internal_error") from None
         out[0]["choices"][0]["logprobs"] = figures
         return out
 
@@ -360,6 +370,8 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
         if include_usage:
             kind = "chat.completion.chunk" if chat else None
             yield {**reply.base(kind), "choices": [], "usage": reply.usage([finals[i] for i in sorted(finals)])}
+    except ApiError as error:
+        yield error.body()
     finally:
         for task in pumps:
             task.cancel()

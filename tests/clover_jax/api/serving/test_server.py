@@ -331,10 +331,12 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
     script = Script(ids, [])
     figures = chat_logprobs(CharTokenizer(), ids, _response_scores(None, prepared, ids, script.items[0].logprobs, 2))
 
-    async def chunks(cuts, logprobs):
+    def broken(tokens, rows):
+        raise RuntimeError("no memory left")
+
+    async def chunks(cuts, logprobs, score=lambda tokens, rows: _response_scores(None, prepared, tokens, rows, 2)):
         reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
-        score = lambda tokens, rows: _response_scores(None, prepared, tokens, rows, 2)
-        scores = [StreamedLogprobs(CharTokenizer(), True, score, causal=False)] if logprobs else None
+        scores = [StreamedLogprobs(CharTokenizer(), True, score, causal=score is broken)] if logprobs else None
         return [chunk async for chunk in _stream(reply, [Script(ids, cuts)], [ChoiceText(CharTokenizer(), [], False,
                                                                                           TOOLS)], True, chat=True,
                                                  scores=scores)]
@@ -353,6 +355,10 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
         assert final.message.content == reference.choices[0].message.content == "Let me look that up."
         assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
             [(c.function.name, json.loads(c.function.arguments)) for c in reference.choices[0].message.tool_calls]
+    # a scoring pass that fails mid-stream ends the stream with an error event, as an engine failure does
+    failed = asyncio.run(chunks([5], True, broken))
+    assert failed[-1]["error"]["code"] == "internal_error" and "no memory left" in failed[-1]["error"]["message"]
+    assert all(choice["logprobs"] is None for chunk in failed[:-1] for choice in chunk["choices"])
 
 
 # ---------------------------------------------------------------------- safety
