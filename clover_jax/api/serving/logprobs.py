@@ -98,13 +98,17 @@ class StreamedLogprobs:
     def take(self) -> dict[str, Any] | None:
         """The figures of the tokens read since the last take, in the choice's shape; None: none.
         A causal scoring pass scores every token read (the same pass a whole response makes, over
-        a shorter response), so that each token's figure is the one the whole response gives."""
+        a shorter response: a token's figure depends on the tokens before it); the engine's rows
+        stand alone, so only the new ones are read."""
         if not self.due:
             return None
-        scores = self.score(self.tokens, self.rows)
         start, self.given = self.given, len(self.tokens)
-        part = TokenScores(scores.logprobs[start:], scores.top_ids[start:], scores.top_logprobs[start:])
         tokens = self.tokens[start:]
+        if self.causal:
+            scores = self.score(self.tokens, self.rows)
+            part = TokenScores(scores.logprobs[start:], scores.top_ids[start:], scores.top_logprobs[start:])
+        else:
+            part = self.score(tokens, self.rows[start:])
         if self.chat:
             return chat_logprobs(self.tokenizer, tokens, part)
         out = completion_logprobs(self.tokenizer, [], None, tokens, part, offset=self.offset)
