@@ -5,7 +5,8 @@ is an HTTP 4xx with an OpenAI error body, and the server keeps serving. With an 
 request must carry `Authorization: Bearer KEY` (401 otherwise). Request bodies are bounded
 (413 beyond `max_body_bytes`) and must arrive within `body_timeout` seconds (408 after it, so
 that a client that stops sending mid-body holds no connection forever). Streaming responses are
-server-sent events that carry text as blocks are decided and end with `data: [DONE]`; a client
+server-sent events that carry text as blocks are decided (with its tokens' log-probabilities,
+when asked) and end with `data: [DONE]`; a client
 that disconnects cancels its request, which frees its slot at the engine's next step.
 """
 
