@@ -1,9 +1,9 @@
 """What agent harnesses and evaluators send, through the real `openai` client against one server of
 the two-layer random model: log-probabilities against a plain causal forward, streamed ones against
-the whole response's in every mode, `n` against single
-requests with seed + i, forced tool choices, the output-neutral fields accepted and the others
-refused by name, `/metrics` read by prometheus_client's own parser, request ids, a multi-prompt
-completion that is all-or-nothing, and a shutdown that ends requests with its error."""
+the whole response's in every mode, `n` against single requests with seed + i, forced tool choices,
+the output-neutral fields accepted and the others refused by name, `/metrics` read by
+prometheus_client's own parser, request ids, a multi-prompt completion that is all-or-nothing, and a
+shutdown that ends requests with its error."""
 
 from __future__ import annotations
 
