@@ -5,7 +5,8 @@ is an HTTP 4xx with an OpenAI error body, and the server keeps serving. With an 
 request must carry `Authorization: Bearer KEY` (401 otherwise). Request bodies are bounded
 (413 beyond `max_body_bytes`) and must arrive within `body_timeout` seconds (408 after it, so
 that a client that stops sending mid-body holds no connection forever). Streaming responses are
-server-sent events that carry text as blocks are decided and end with `data: [DONE]`; a client
+server-sent events that carry text as blocks are decided (with its tokens' log-probabilities,
+when asked) and end with `data: [DONE]`; a client
 that disconnects cancels its request, which frees its slot at the engine's next step.
 """
 
@@ -26,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover_jax.api.serving.errors import ApiError, bad_request
-from clover_jax.api.serving.logprobs import chat_logprobs, completion_logprobs
+from clover_jax.api.serving.logprobs import StreamedLogprobs, chat_logprobs, completion_logprobs, no_scores
 from clover_jax.api.serving.metrics import CONTENT_TYPE, Metrics
 from clover_jax.api.serving.protocol import read_chat, read_completion
 from clover_jax.api.serving.responses import ChoiceText, Message, prompt_tokens_details
@@ -119,7 +120,8 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         submissions = service.submit_all(prepared, metrics.engine_request_done)
         reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
         if chat.sampling.stream:
-            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True))
+            scores = _streamed_scores(service, prepared, chat.sampling, chat=True)
+            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores))
         messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
@@ -144,7 +146,18 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         submissions = service.submit_all(prepared, metrics.engine_request_done)  # all prompts, or one 503
         reply = _Reply("cmpl", "text_completion", service.name, prepared, sampling)
         if sampling.stream:
-            return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes))
+            scores = _streamed_scores(service, prepared, sampling, chat=False)
+            echo_scores = None
+            if sampling.logprobs and sampling.echo:
+                try:
+                    echo_scores = [await run_in_threadpool(_echo_scores, service, one, sampling.top_logprobs,
+                                                           scores[i]) for i, one in enumerate(prepared)]
+                except BaseException:  # no stream will end the submitted requests: free their slots here
+                    for submission in submissions:
+                        submission.cancel()
+                    raise
+            return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
+                                scores=scores, echo_scores=echo_scores))
         messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
@@ -264,9 +277,17 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText], include_usage: bool,
-                  chat: bool, echoes: list[str] | None = None):
+                  chat: bool, echoes: list[str] | None = None, scores: list[StreamedLogprobs] | None = None,
+                  echo_scores: list[dict | None] | None = None):
     """The chunks of every choice, as each one's events come (choice i: index i). A choice the
-    engine failed or the shutdown ended ends the stream with an OpenAI error event."""
+    engine failed or the shutdown ended ends the stream with an OpenAI error event.
+
+    scores: per choice, its log-probabilities (`logprobs` asked for). The events that came
+    meanwhile are read together, and the figures of the tokens read since the last chunk that
+    carried some go with the first chunk made of them, so a token's figures come with the chunk
+    that carries its text, or before it (text held back: a partial character, a possible stop
+    string or tag), never after; a causal mode's chunk waits for its scoring pass. echo_scores:
+    completions with echo, the prompt's figures (the echo chunk's)."""
     def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
         if chat:
             return {**reply.base("chat.completion.chunk"), "choices": [
@@ -286,6 +307,20 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
         async for event in submission.events():
             await queue.put((index, event))
 
+    async def with_figures(index: int, out: list[dict]) -> list[dict]:
+        """The figures due go with the first chunk of `out`."""
+        if scores is None or not out or not scores[index].due:
+            return out
+        one = scores[index]
+        try:
+            figures = await run_in_threadpool(one.take) if one.causal else one.take()
+        except Exception as error:  # the stream has begun (200 sent): it ends with an error event
+            logger.exception("scoring a streamed response failed")
+            raise ApiError(500, f"internal error: scoring the response failed: {type(error).__name__}: {error}",
+                           None, "internal_error") from None
+        out[0]["choices"][0]["logprobs"] = figures
+        return out
+
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(submissions)]
     finals: dict[int, EngineEvent] = {}
     try:
@@ -293,33 +328,51 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
             if chat:
                 yield chunk(index, {"role": "assistant", "content": ""})
             elif echoes and echoes[index]:
-                yield chunk(index, {"content": echoes[index]})
+                echoed = chunk(index, {"content": echoes[index]})
+                echoed["choices"][0]["logprobs"] = echo_scores[index] if echo_scores else None
+                yield echoed
         while len(finals) < len(submissions):
-            index, event = await queue.get()
-            text = texts[index]
-            for piece in pieces(index, text.push(event.tokens)):
-                yield piece
-            if text.stopped:
-                submissions[index].cancel()
-            if event.finish is None:
-                continue
-            deltas = text.finish()
-            finals[index] = event
-            try:
-                finish = reply.finish(event, text)
-            except ApiError as error:
-                yield error.body()
-                return
-            if chat:
-                for piece in pieces(index, deltas):
+            batch = [await queue.get()]
+            while not queue.empty():  # what came while the last chunks were made and sent
+                batch.append(queue.get_nowait())
+            for index in dict.fromkeys(i for i, _ in batch):
+                text, out, final = texts[index], [], None
+                for event in (e for i, e in batch if i == index):
+                    if scores is not None and not text.stopped:  # as a whole response reads them
+                        scores[index].read(event.tokens, event.logprobs)
+                    out += pieces(index, text.push(event.tokens))
+                    if text.stopped:
+                        submissions[index].cancel()
+                    if event.finish is not None:
+                        final = event
+                        break
+                if not chat and len(out) > 1:  # a completion's text of the events together: one chunk
+                    out = [chunk(index, {"content": "".join(c["choices"][0]["text"] for c in out)})]
+                if final is None:
+                    for piece in await with_figures(index, out):
+                        yield piece
+                    continue
+                deltas = text.finish()
+                finals[index] = final
+                try:
+                    finish = reply.finish(final, text)
+                except ApiError as error:
+                    for piece in out:
+                        yield piece
+                    yield error.body()
+                    return
+                if chat:
+                    out += pieces(index, deltas) + [{**chunk(index, {}, finish), "clover": reply.clover([final])}]
+                else:
+                    words = "".join(c["choices"][0]["text"] for c in out) + "".join(d["content"] for d in deltas)
+                    out = [{**chunk(index, {"content": words}, finish), "clover": reply.clover([final])}]
+                for piece in await with_figures(index, out):
                     yield piece
-                yield {**chunk(index, {}, finish), "clover": reply.clover([event])}
-            else:
-                yield {**chunk(index, {"content": "".join(d["content"] for d in deltas)}, finish),
-                       "clover": reply.clover([event])}
         if include_usage:
             kind = "chat.completion.chunk" if chat else None
             yield {**reply.base(kind), "choices": [], "usage": reply.usage([finals[i] for i in sorted(finals)])}
+    except ApiError as error:
+        yield error.body()
     finally:
         for task in pumps:
             task.cancel()
@@ -345,6 +398,28 @@ def _completion_scores(service: Service, prepared: Prepared, tokens: list[int], 
     response = _response_scores(service, prepared, tokens, engine_logprobs, top)
     prompt = service.prompt_scores(prepared.prompt, top) if echo else None
     return completion_logprobs(service.tokenizer, prepared.prompt if echo else [], prompt, tokens, response)
+
+
+def _streamed_scores(service: Service, prepared: list[Prepared], sampling, chat: bool) -> list | None:
+    """Per choice of a stream that asked for log-probabilities, its `StreamedLogprobs` (else None)."""
+    if not sampling.logprobs:
+        return None
+
+    def one(choice: Prepared) -> StreamedLogprobs:
+        score = lambda tokens, rows: _response_scores(service, choice, tokens, rows, sampling.top_logprobs)
+        causal = choice.request.mode not in (Mode.DIFFUSION, "diffusion")
+        return StreamedLogprobs(service.tokenizer, chat, score, causal)
+
+    return [one(choice) for choice in prepared]
+
+
+def _echo_scores(service: Service, prepared: Prepared, top: int, scores: StreamedLogprobs) -> dict:
+    """The echoed prompt's figures (a stream's echo chunk); the response's offsets continue after it."""
+    out = completion_logprobs(service.tokenizer, prepared.prompt, service.prompt_scores(prepared.prompt, top), [],
+                              no_scores(top))
+    if out["tokens"]:
+        scores.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+    return out
 
 
 def _echo_text(service: Service, prepared: Prepared) -> str:

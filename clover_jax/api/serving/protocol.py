@@ -275,7 +275,6 @@ def read_chat(body: Any) -> ChatRequest:
     sampling.top_logprobs = fields.get("top_logprobs", integer(0, MAX_TOP_LOGPROBS), 0)
     if sampling.top_logprobs and not sampling.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    _check_logprobs(sampling)
     fields.done()
     return ChatRequest(model, messages, tools, template_kwargs, sampling, forced, parallel)
 
@@ -305,12 +304,6 @@ def read_tool_choice(choice: Any, tools: list[dict] | None) -> str | None:
         return name
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
                       "{'name': ...}}", "tool_choice")
-
-
-def _check_logprobs(sampling: Sampling) -> None:
-    if sampling.logprobs and sampling.stream:
-        raise bad_request("logprobs are given in whole (not streamed) responses only", "logprobs",
-                          "unsupported_parameter")
 
 
 def read_message(message: Any, where: str) -> dict:
@@ -417,7 +410,6 @@ def read_completion(body: Any) -> CompletionRequest:
     top = fields.get("logprobs", integer(0, MAX_COMPLETION_LOGPROBS))
     sampling.logprobs, sampling.top_logprobs = top is not None, top or 0
     sampling.echo = fields.get("echo", boolean, False)
-    _check_logprobs(sampling)
     fields.done()
     return CompletionRequest(model, prompts, sampling)
 

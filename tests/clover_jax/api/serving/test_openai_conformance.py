@@ -19,6 +19,7 @@ import os
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
@@ -83,7 +84,7 @@ def validate(schemas: dict, name: str, instance: dict) -> None:
     # With echo, the prompt's first token has no log-probability (nothing precedes it): OpenAI's own
     # legacy completions and vLLM send null there, the description says "number". That one null is
     # allowed (token_logprobs[0], top_logprobs[0]); every other entry must be what the schema says.
-    if name == "CreateCompletionResponse" and instance.get("choices"):
+    if name in ("CreateCompletionResponse", "CompletionStreamChunk") and instance.get("choices"):
         instance = copy.deepcopy(instance)
         for choice in instance["choices"]:
             logprobs = choice.get("logprobs")
@@ -144,13 +145,15 @@ CONFORMANCE = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort 2 1"}], "n": 2, "seed": 1,
                               "temperature": 0.5, "store": True, "metadata": {"k": "v"}}),
 ]
-# log-probabilities: whole responses only
 WITH_LOGPROBS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort 3 1 2"}], "logprobs": True,
                               "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort 3 1 2"}], "logprobs": True,
                               "mode": "autoregressive", "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort 6 2"}], "logprobs": True,
+                              "top_logprobs": 1, "mode": "self_speculative", "n": 2, "stop": ["6"]}),
     ("/v1/completions", {"prompt": ["sort 8 7", "sort 1"], "logprobs": 2, "echo": True, "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "sort 5 3 4", "logprobs": 0, "mode": "autoregressive", "stop": ["4"]}),
 ]
 
 
@@ -173,15 +176,53 @@ def test_responses_and_stream_chunks_validate_against_openais_schemas(server, sc
     assert chunks[-1]["usage"]["total_tokens"] > 0
 
 
+def _figures(choice: dict, chat: bool) -> list:
+    """A choice's log-probabilities as one list of per-token rows."""
+    if choice["logprobs"] is None:
+        return []
+    if chat:
+        return choice["logprobs"]["content"]
+    columns = [choice["logprobs"][key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")]
+    return [list(row) for row in zip(*columns, strict=True)]
+
+
+def _split(figures) -> tuple:
+    """(the figures with every float as 0.0, the floats in order): compared apart, the floats to 1e-6."""
+    if isinstance(figures, float):
+        return 0.0, [figures]
+    if isinstance(figures, dict):
+        parts = {key: _split(value) for key, value in figures.items()}
+        return {key: part[0] for key, part in parts.items()}, [x for part in parts.values() for x in part[1]]
+    if isinstance(figures, list):
+        parts = [_split(value) for value in figures]
+        return [part[0] for part in parts], [x for part in parts for x in part[1]]
+    return figures, []
+
+
 @pytest.mark.parametrize("path, change", WITH_LOGPROBS)
 def test_responses_with_logprobs_validate_against_openais_schemas(server, schemas, path, change):
+    """Whole and streamed: every body and chunk validates, and each choice's chunks' figures put
+    together are its whole response's (greedy: the same tokens; the same figures, to the float
+    rounding between causal scoring passes of different padded lengths)."""
     thread, _ = server
-    response = httpx.post(thread.url + path, json={"model": "tiny-clover", "max_tokens": 12, **change}, timeout=600)
+    body = {"model": "tiny-clover", "max_tokens": 12, **change}
+    response = httpx.post(thread.url + path, json=body, timeout=600)
     assert response.status_code == 200, response.text
     chat = path == "/v1/chat/completions"
-    body = response.json()
-    validate(schemas, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse", body)
-    assert all(choice["logprobs"] for choice in body["choices"])
+    whole = response.json()
+    validate(schemas, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse", whole)
+    assert all(choice["logprobs"] for choice in whole["choices"])
+    stream = httpx.post(thread.url + path, json={**body, "stream": True}, timeout=600)
+    assert stream.status_code == 200, stream.text
+    streamed = {index: [] for index in range(len(whole["choices"]))}
+    for chunk in _events(stream):
+        validate(schemas, "CreateChatCompletionStreamResponse" if chat else "CompletionStreamChunk", chunk)
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += _figures(choice, chat)
+    for choice in whole["choices"]:
+        (shape, values), (expected_shape, expected) = _split(streamed[choice["index"]]), _split(_figures(choice, chat))
+        assert shape == expected_shape and len(shape) > 0
+        np.testing.assert_allclose(values, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_a_response_without_refusal_is_refused_by_the_schema(schemas):

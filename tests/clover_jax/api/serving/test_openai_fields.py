@@ -1,8 +1,9 @@
 """What agent harnesses and evaluators send, through the real `openai` client against one server of
-the two-layer random model: log-probabilities against a plain causal forward, `n` against single
-requests with seed + i, forced tool choices, the output-neutral fields accepted and the others
-refused by name, `/metrics` read by prometheus_client's own parser, request ids, a multi-prompt
-completion that is all-or-nothing, and a shutdown that ends requests with its error."""
+the two-layer random model: log-probabilities against a plain causal forward, streamed ones against
+the whole response's in every mode, `n` against single requests with seed + i, forced tool choices,
+the output-neutral fields accepted and the others refused by name, `/metrics` read by
+prometheus_client's own parser, request ids, a multi-prompt completion that is all-or-nothing, and a
+shutdown that ends requests with its error."""
 
 from __future__ import annotations
 
@@ -122,6 +123,60 @@ def test_diffusion_logprobs_are_the_deciding_steps_choice(tools_server):
         assert entry.logprob <= 0 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def chat_figures(content) -> list[tuple]:
+    """Chat `logprobs.content` entries as comparable tuples: token, bytes, logprob, alternatives."""
+    return [(e.token, e.bytes, e.logprob, [(a.token, a.bytes, a.logprob) for a in e.top_logprobs]) for e in content]
+
+
+def assert_same_figures(streamed: list[tuple], whole: list[tuple]) -> None:
+    """The same tokens and alternatives, in order, with the same float32 figures (a causal mode's
+    stream scores each prefix in a pass of its own length: float rounding apart)."""
+    values = lambda rows: [[row[2]] + [alt[2] for alt in row[3]] for row in rows]
+    strip = lambda rows: [(row[0], row[1], [alt[:2] for alt in row[3]]) for row in rows]
+    assert strip(streamed) == strip(whole)
+    np.testing.assert_allclose(values(streamed), values(whole), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "autoregressive", "self_speculative"])
+def test_streamed_logprobs_put_together_are_the_whole_responses(tools_server, mode):
+    """Chat and completions (with echo), through the openai client: the figures of every chunk, in
+    order, are the whole response's, token for token; none comes before its text is read, and no
+    text before its figures: a completion's text so far is a prefix of its figures' tokens so far."""
+    server, _ = tools_server
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "sort 9 2 7 4"}], max_tokens=12, logprobs=True,
+                top_logprobs=2, extra_body={"mode": mode})
+    whole = client(server).chat.completions.create(**body).choices[0]
+    streamed, text, reasoning, finish = [], "", "", None
+    for chunk in client(server).chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed += chat_figures(choice.logprobs.content) if choice.logprobs else []
+            finish = choice.finish_reason or finish
+    assert (text, reasoning, finish) == (whole.message.content or "",
+                                         whole.message.model_extra.get("reasoning_content") or "", whole.finish_reason)
+    assert len(streamed) > 0
+    assert_same_figures(streamed, chat_figures(whole.logprobs.content))
+
+    prompt = dict(model=MODEL, prompt="sort 3 1 2", max_tokens=16, logprobs=2, echo=True, extra_body={"mode": mode})
+    reference = client(server).completions.create(**prompt).choices[0].logprobs
+    tokens, values, tops, offsets, text = [], [], [], [], ""
+    for chunk in client(server).completions.create(stream=True, **prompt):
+        for choice in chunk.choices:
+            figures = choice.logprobs
+            if figures is not None:
+                tokens, values = tokens + figures.tokens, values + figures.token_logprobs
+                tops, offsets = tops + figures.top_logprobs, offsets + figures.text_offset
+            text += choice.text
+            assert "".join(tokens).startswith(text) or "\ufffd" in "".join(tokens), (text, tokens)
+    assert (tokens, offsets) == (reference.tokens, reference.text_offset) and len(tokens) > 2
+    assert values[0] is None and tops[0] is None and reference.token_logprobs[0] is None
+    np.testing.assert_allclose(values[1:], reference.token_logprobs[1:], rtol=1e-6, atol=1e-6)
+    assert [list(top) for top in tops[1:]] == [list(top) for top in reference.top_logprobs[1:]]
+    np.testing.assert_allclose([list(top.values()) for top in tops[1:]],
+                               [list(top.values()) for top in reference.top_logprobs[1:]], rtol=1e-6, atol=1e-6)
+
+
 def test_n_choices_are_single_requests_with_seed_plus_i(tools_server):
     server, _ = tools_server
     body = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=8, temperature=1.0)
@@ -175,7 +230,6 @@ ACCEPTED = {"store": True, "metadata": {"run": "7"}, "user": "u1", "service_tier
 REFUSED = [({"logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
            ({"reasoning_effort": "low"}, "reasoning_effort", "unsupported_parameter"),
            ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
-           ({"logprobs": True, "stream": True}, "logprobs", "unsupported_parameter"),
            ({"top_logprobs": 2}, "top_logprobs", None), ({"n": 9}, "n", None),
            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice.function.name", None),

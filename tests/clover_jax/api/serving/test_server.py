@@ -182,7 +182,6 @@ BAD = [
     ({"presence_penalty": -1}, 400, "presence_penalty", None),
     ({"mode": "self_speculative", "temperature": 0.7}, 400, None, None),
     ({"n": 9}, 400, "n", None),
-    ({"logprobs": True, "stream": True}, 400, "logprobs", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
 ]
@@ -290,11 +289,13 @@ def test_tools_tool_calls_and_tool_results_render_through_the_template(tools_ser
 
 def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
     """The SSE path on injected text (no model): the chunks parse as the openai library's own types,
-    and the library's stream accumulator puts together the message the whole response says."""
+    and the library's stream accumulator puts together the message the whole response says, and,
+    with log-probabilities, the whole response's `logprobs.content`, however the tokens are cut."""
     from openai.lib.streaming.chat._completions import ChatCompletionStreamState
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    from clover_jax.api.serving.app import _Reply, _stream
+    from clover_jax.api.serving.app import _Reply, _response_scores, _stream
+    from clover_jax.api.serving.logprobs import StreamedLogprobs, chat_logprobs
     from clover_jax.api.serving.protocol import Sampling
     from clover_jax.api.serving.responses import ChoiceText, Message
     from clover_jax.api.serving.service import Prepared
@@ -307,8 +308,9 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
         def __init__(self, ids, cuts):
             bounds = list(zip([0] + cuts, cuts + [len(ids)], strict=True))
             stats = RequestStats(3, len(ids), 4, [2, 2])
-            self.items = [EngineEvent(ids[a:b]) for a, b in bounds[:-1]] + \
-                [EngineEvent(ids[bounds[-1][0]:], "eos", stats)]
+            rows = [(-0.01 * (i % 50), [ids[i], 32], [-0.01 * (i % 50), -5.0]) for i in range(len(ids))]
+            self.items = [EngineEvent(ids[a:b], logprobs=rows[a:b]) for a, b in bounds[:-1]] + \
+                [EngineEvent(ids[bounds[-1][0]:], "eos", stats, logprobs=rows[bounds[-1][0]:])]
 
         async def events(self):
             for event in self.items:
@@ -326,20 +328,37 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
         "id": "x", "object": "chat.completion", "created": 0, "model": "m",
         "choices": [{"index": 0, "message": whole.as_openai(), "finish_reason": "tool_calls"}]})
 
-    async def chunks(cuts):
-        reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
-        return [chunk async for chunk in _stream(reply, [Script(ids, cuts)], [ChoiceText(CharTokenizer(), [], False,
-                                                                                          TOOLS)], True, chat=True)]
+    script = Script(ids, [])
+    figures = chat_logprobs(CharTokenizer(), ids, _response_scores(None, prepared, ids, script.items[0].logprobs, 2))
 
-    for cuts in ([], [5], [40, 41, 200], list(range(1, len(ids), 7)), list(range(1, len(ids)))):
+    def broken(tokens, rows):
+        raise RuntimeError("no memory left")
+
+    async def chunks(cuts, logprobs, score=lambda tokens, rows: _response_scores(None, prepared, tokens, rows, 2)):
+        reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
+        scores = [StreamedLogprobs(CharTokenizer(), True, score, causal=score is broken)] if logprobs else None
+        return [chunk async for chunk in _stream(reply, [Script(ids, cuts)], [ChoiceText(CharTokenizer(), [], False,
+                                                                                          TOOLS)], True, chat=True,
+                                                 scores=scores)]
+
+    cuts_tried = ([], [5], [40, 41, 200], list(range(1, len(ids), 7)), list(range(1, len(ids))))
+    for cuts, logprobs in [(cuts, False) for cuts in cuts_tried] + [(cuts, True) for cuts in cuts_tried]:
         state = ChatCompletionStreamState()
-        for chunk in asyncio.run(chunks(cuts)):
+        for chunk in asyncio.run(chunks(cuts, logprobs)):
             state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
         final = state.get_final_completion().choices[0]
+        if logprobs:
+            assert [entry.model_dump() for entry in final.logprobs.content] == figures["content"]
+        else:
+            assert final.logprobs is None
         assert final.finish_reason == "tool_calls"
         assert final.message.content == reference.choices[0].message.content == "Let me look that up."
         assert [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls] == \
             [(c.function.name, json.loads(c.function.arguments)) for c in reference.choices[0].message.tool_calls]
+    # a scoring pass that fails mid-stream ends the stream with an error event, as an engine failure does
+    failed = asyncio.run(chunks([5], True, broken))
+    assert failed[-1]["error"]["code"] == "internal_error" and "no memory left" in failed[-1]["error"]["message"]
+    assert all(choice["logprobs"] is None for chunk in failed[:-1] for choice in chunk["choices"])
 
 
 # ---------------------------------------------------------------------- safety
