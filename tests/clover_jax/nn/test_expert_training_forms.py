@@ -97,6 +97,26 @@ def test_lora_experts_through_the_grouped_kernels_equal_ragged_dot_over_the_dequ
         assert_close(got, want)  # tokens, router combine weights, each expert's four LoRA factors
 
 
+def test_lora_experts_in_bfloat16_keep_float32_factor_gradients_within_bfloat16_rounding():
+    """A bfloat16 pass (the rows enter the adapters' A in bfloat16, the rank-r products in float32)
+    against the same pass in float32: outputs and every gradient within bfloat16's rounding, the
+    factors' gradients float32."""
+    tokens, ids, weights, gate_up, down, cotangent = case(40, 6, 2, seed=7)
+    factors = adapters(6, seed=2)
+
+    def run(dtype):
+        loss = lambda tokens, factors: jnp.sum(adapted_expert_mlp(
+            tokens.astype(dtype), ids, weights.astype(dtype), gate_up.astype(dtype), down.astype(dtype), factors,
+            GROUPED).astype(jnp.float32) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(tokens, factors)
+
+    (value, grads), (expected, expected_grads) = run(jnp.bfloat16), run(jnp.float32)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(grads[1]))
+    assert_close(value, expected, rtol=2e-2)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        assert_close(got, want, rtol=3e-2)
+
+
 def test_training_takes_the_grouped_experts_on_accelerators_and_the_loop_on_cpu():
     from clover_jax.core.kernels import choose_kernels
 
