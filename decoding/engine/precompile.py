@@ -5,8 +5,9 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
 `max_context`) and every lane size up to `max_running` (1, 2, 4, ...):
 
 * the prefill chunks (`slots.prefill_chunk`: `unit` times a power of two, up to the model's chunk)
-  on a staging state of each bucket, and the empty staging states — compiled by running them once
-  on zeros;
+  on a staging state of each bucket, the empty staging states, and the padding of a staging state
+  of each bucket to each larger one (`slots.pad_rows`: a request joining a lane of longer rows) —
+  compiled by running them once on zeros;
 * the lane programs — the step (greedy and sampled where the mode samples; a diffusion step with
   and without a block's commit), the join (`put_slots`) and the resize (`take_slots`) — compiled by
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
@@ -14,10 +15,13 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
   then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
   requests half fill (a burst meeting a busy lane joins with another program). Each warm-up
   request is cancelled once its lane has stepped (a diffusion request once its first block is out
-  and committed).
+  and committed). A join's program depends on the lane's shape and the joining count alone (the
+  entries come padded to the lane's rows, `slots.at_rows`), so requests of one bucket cover the
+  joins of requests of any smaller buckets into that lane.
 
-Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
-program on demand; the engine logs every program compiled after `precompile` with its shape.
+Arrival patterns outside that (say 3 requests joining a lane of 5, with a `max_running` that is
+not a power of two) compile their small join program on demand; the engine logs every program
+compiled after `precompile` with its shape.
 `compiled_programs()` counts the engine's programs (each jitted function's executable cache).
 
 On a CPU, XLA keeps every compiled program's machine code in memory mappings of the process (a
@@ -47,7 +51,7 @@ from decoding.modes import Mode, strategy
 logger = logging.getLogger(__name__)
 
 PROGRAMS = (diffusion_lane.diffusion_step, autoregressive_lane.autoregressive_step, speculative_lane.speculative_step,
-            slots.put_slots, slots.take_slots, slots.prefill_chunk, slots.empty_staging)
+            slots.put_slots, slots.take_slots, slots.prefill_chunk, slots.empty_staging, slots.pad_rows)
 
 
 def compiled_programs() -> int:
@@ -131,6 +135,7 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
         key = LaneKey(mode, block, block if strategy(mode).whole_blocks else None)
         check_mapping_headroom()
         _prefills(warm, key)
+        _paddings(warm, key)
         samples = (False, True) if sample and strategy(mode).mode != Mode.SELF_SPECULATIVE else (False,)
         for capacity in buckets(warm._capacity(key)):
             traffic = _Traffic(warm, key, capacity, timeout)
@@ -187,12 +192,13 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
     without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
     sizes - 1 of each per bucket: one request joining each size, a burst filling each), prefill
-    chunks (first and later chunks; shared by lane kinds of one unit) and empty staging states."""
+    chunks (first and later chunks; shared by lane kinds of one unit), empty staging states and
+    paddings (a staging state of each bucket to each larger bucket; shared by lane kinds)."""
     from decoding.engine.engine import UNIT
 
     sizes = len(lane_sizes(max_running))
     counts = {"steps": 0, "joins": 0, "resizes": 0}
-    prefills, staging = set(), set()
+    prefills, staging, paddings = set(), set(), set()
     for mode in dict.fromkeys(Mode(mode) for mode in modes):
         decoder = strategy(mode)
         for block in (sorted(set(block_sizes)) if decoder.decodes_blocks else [None]):
@@ -203,12 +209,13 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
             counts["joins"] += len(caps) * (2 * sizes - 1 + _busy_joins(max_running))
             counts["resizes"] += len(caps) * (2 * sizes - 1)
             staging.update(caps)
+            paddings.update(itertools.combinations(caps, 2))
             chunk = max(unit, chunk_size // unit * unit)
             for capacity in caps:
                 for size in chunk_sizes(unit, chunk):
                     prefills.update({(size, capacity, "first")} if size < capacity else set())
                     prefills.update({(size, capacity, "later")} if unit + size < capacity else set())
-    counts.update(prefills=len(prefills), staging=len(staging))
+    counts.update(prefills=len(prefills), staging=len(staging), paddings=len(paddings))
     counts["total"] = sum(counts.values())
     return counts
 
@@ -263,6 +270,14 @@ def _prefills(engine, key: LaneKey) -> None:
                 run(new_staging(engine.context, capacity, 0), size)
             if unit + size < capacity:
                 run(run(new_staging(engine.context, capacity, 0), unit), size)
+
+
+def _paddings(engine, key: LaneKey) -> None:
+    """`slots.pad_rows` of a staging state of every bucket to every larger bucket, run once on zeros
+    (a join's entry as `slots.at_rows` pads it: its slot axis as `slots.one_slot` gives it)."""
+    capacities = buckets(engine._capacity(key))
+    for smaller, larger in itertools.combinations(capacities, 2):
+        slots.pad_rows(slots.one_slot(new_staging(engine.context, smaller, 0)), larger)
 
 
 class _Traffic:
