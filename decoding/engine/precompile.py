@@ -192,8 +192,9 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
     without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
     sizes - 1 of each per bucket: one request joining each size, a burst filling each), prefill
-    chunks (first and later chunks; shared by lane kinds of one unit), empty staging states and
-    paddings (a staging state of each bucket to each larger bucket; shared by lane kinds)."""
+    chunks (one per chunk length and bucket: a prompt's first chunk and a later one share it;
+    shared by lane kinds of one unit), empty staging states and paddings (a staging state of each
+    bucket to each larger bucket; shared by lane kinds)."""
     from decoding.engine.engine import UNIT
 
     sizes = len(lane_sizes(max_running))
@@ -212,9 +213,8 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
             paddings.update(itertools.combinations(caps, 2))
             chunk = max(unit, chunk_size // unit * unit)
             for capacity in caps:
-                for size in chunk_sizes(unit, chunk):
-                    prefills.update({(size, capacity, "first")} if size < capacity else set())
-                    prefills.update({(size, capacity, "later")} if unit + size < capacity else set())
+                # a later chunk (unit + size < capacity) runs the first chunk's program: the same shapes
+                prefills.update((size, capacity) for size in chunk_sizes(unit, chunk) if size < capacity)
     counts.update(prefills=len(prefills), staging=len(staging), paddings=len(paddings))
     counts["total"] = sum(counts.values())
     return counts

@@ -99,3 +99,4 @@ def test_padding_compiles_one_program_per_smaller_bucket_and_lane_rows():
     assert slots.pad_rows._cache_size() - before <= 3  # b(b - 1)/2 for b buckets (fewer if compiled earlier)
     with pytest.raises(ValueError, match="256 cache rows cannot join a lane of 128 rows"):
         slots.at_rows((slots.one_slot(_staging(256, 5, 0)),), 128)
+
