@@ -147,9 +147,11 @@ def at_rows(entry: Any, capacity: int) -> Any:
     lane's `capacity` rows (`pad_rows` where it holds fewer; NumPy leaves untouched), so that
     `put_slots` compiles one program per lane shape and joining count, not one per combination of
     the joining requests' cache buckets. Padding to the lane's rows rather than to the largest
-    bucket among the joining entries: `put_slots` writes each slot's full rows either way (it pads
-    inside), so this moves no more bytes, and the program no longer depends on the entries at all.
-    ValueError for an entry holding more rows than the lane (the lane must grow first)."""
+    bucket among the joining entries: the join's program then depends on no entry at all (padding
+    to the largest would still key it by that bucket, one program per lane shape, count and smaller
+    bucket), and `put_slots` writes each slot's full rows either way (it pads inside); the cost is
+    one copy of each padded entry at the lane's rows. ValueError for an entry holding more rows
+    than the lane (the lane must grow first)."""
     def fit(node):
         if not isinstance(node, ModelState):
             return node
