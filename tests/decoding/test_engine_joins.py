@@ -100,3 +100,29 @@ def test_padding_compiles_one_program_per_smaller_bucket_and_lane_rows():
     with pytest.raises(ValueError, match="256 cache rows cannot join a lane of 128 rows"):
         slots.at_rows((slots.one_slot(_staging(256, 5, 0)),), 128)
 
+
+
+@pytest.mark.parametrize("max_running", [3, 6])
+def test_precompile_sends_every_joining_count_each_lane_size_can_meet(max_running):
+    """Joins into a lane of each size (`precompile.lane_sizes`) pad their count to any power of two
+    up to the size rounded up to one; `precompile`'s traffic (one by one, bursts, `busy_joins`) meets
+    each, as a lane (`Lane.add`, which grows it) places them — a `max_running` that is no power of
+    two included (3 requests into a lane of 6 was compiled on demand before `busy_joins` sent it)."""
+    from decoding.engine import precompile
+
+    context = ModelContext(None, None, VOCAB, None, frozenset(), False, np.float32(0.9), max_slots=max_running)
+    sizes = precompile.lane_sizes(max_running)
+    reachable = {(size, 1 << (joining - 1).bit_length()) for size in sizes for joining in range(1, size + 1)}
+    # one by one, then a burst of each size into a fresh lane
+    sent = {(size, 1) for size in sizes} | {(size, 1 << (size - 1).bit_length()) for size in sizes}
+    number = 0
+    for size, live, joining in precompile.busy_joins(max_running):
+        lane = _Lane(context, key=None, max_context=MAX_CONTEXT)
+        for _ in range(live):
+            lane.add([_join(10, number)])
+            number += 1
+        lane.add([_join(10, number + index) for index in range(joining)])
+        number += joining
+        assert (lane.size, lane.live) == (size, live + joining)
+        sent.add((lane.size, 1 << (joining - 1).bit_length()))
+    assert sent == reachable
