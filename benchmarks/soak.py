@@ -18,15 +18,15 @@ cache's bytes, entries, hits and evictions. Then every compiled program is freed
 them back from the persistent compilation cache as requests need them; `--keep-programs` skips this).
 
 Why: the programs are most of the memory (about 8.5 MB each for this model on XLA:CPU), and new
-ones keep arriving all through a soak, even for the same requests sent again — a join's program
-depends on the lane's shape, how many join and each joining request's cache bucket, and which
-requests meet in a step depends on timing. Their number is bounded by the engine's buckets (checked
-below); the memory that must not grow is the rest.
+ones keep arriving all through a soak, even for the same requests sent again — a lane's shapes and
+which requests meet in a step depend on timing. Their number is bounded by the engine's buckets
+(checked below; a join's program depends on the lane's shape and how many join alone, its entries
+padded to the lane's rows first); the memory that must not grow is the rest.
 
 Checked at the end: no 5xx or transport failure; nothing running, queued, held, prefilling or in a
 lane; the prefix cache within its budget, its byte, chunk and state counts equal to the trie counted
 afresh, and no chunk that no kept state needs; each engine function's programs at any reading
-within the bound its buckets allow (`program_bound`; for joins a loose one); resident memory
+within the bound its buckets allow (`program_bound`); resident memory
 without the programs grown by at most 10% from the end of the warm-up (after `malloc_trim` with
 `--keep-programs`).
 
@@ -41,6 +41,7 @@ import argparse
 import collections
 import ctypes
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -108,8 +109,10 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
 
     steps: L x C x variants per lane kind (greedy and sampled; diffusion with and without a commit);
     resizes (take_slots): a lane or one request's entry (L x C) into a lane (L x C), per kind; joins
-    (put_slots): a lane (L x C) and j <= its size entries (j a power of two), each entry's rows a
-    bucket of C (|C|^j orders), per kind; prefill chunks: P x C x (first, later); staging states: C;
+    (put_slots): a lane (L x C) and the number joining, padded to a power of two k <= the lane's
+    size rounded up to one (the entries come at the lane's rows: their buckets do not count), per
+    kind — `precompile.planned_programs`' joins; paddings (pad_rows): a staging bucket to each larger
+    bucket of C (lane kinds share them); prefill chunks: P x C x (first, later); staging states: C;
     the prefix cache's copies: per staging bucket (kv_rows, gdn_states, put_kv_rows, put_gdn) and
     per lane shape (slot_gdn, slot_kv_rows)."""
     from decoding.engine.engine import UNIT
@@ -118,7 +121,9 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
 
     sizes = lane_sizes(engine.max_running)
     bound = collections.Counter()
-    staging = set()
+    staging, paddings = set(), set()
+    # joins into a lane of each size: k = 1, 2, 4, ... up to its size rounded up to a power of two
+    counts = sum((1 << max(size - 1, 0).bit_length()).bit_length() for size in sizes)
     for mode in modes:
         decoder = strategy(Mode(mode))
         for _ in (block_sizes if decoder.decodes_blocks else [None]):
@@ -130,8 +135,8 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
                     Mode.SELF_SPECULATIVE: "speculative_step"}[Mode(mode)]
             bound[step] += lanes * variants
             bound["take_slots"] += lanes * lanes
-            bound["put_slots"] += sum(len(caps) ** joins for size in sizes for joins in sizes if joins <= size) \
-                * len(caps)
+            bound["put_slots"] += counts * len(caps)
+            paddings.update(itertools.combinations(caps, 2))
             bound["slot_gdn"] += lanes
             bound["slot_kv_rows"] += lanes
     chunk = engine.model.chunk_size
@@ -139,6 +144,7 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
     bound["prefill_chunk"] = len(chunks) * len(staging) * 2
     for name in ("empty_staging", "kv_rows", "gdn_states", "put_kv_rows", "put_gdn"):
         bound[name] = len(staging)
+    bound["pad_rows"] = len(paddings)
     return dict(bound)
 
 

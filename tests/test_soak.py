@@ -4,7 +4,8 @@ streamed and whole, some cancelled mid-stream, some invalid, multi-turn conversa
 their transcript — with a prefix cache small enough to evict. Nothing fails with a 5xx, every
 request is answered as its kind says, nothing is left in the engine, the cache hit and evicted and
 stayed within its budget with its counts equal to its trie counted afresh, and the engine compiled
-no program beyond what its buckets allow."""
+no program beyond what its buckets allow — joins (`put_slots`) included, whose bound counts lane
+shapes and joining counts only (each entry is padded to the lane's rows before it joins)."""
 
 from __future__ import annotations
 
@@ -37,5 +38,9 @@ def test_a_short_soak_answers_everything_and_leaves_nothing_behind():
     # the checks `make bench` applies, the memory growth aside (a few dozen requests still compile)
     failed = [one for one in checks(result) if not one["passed"] and "memory" not in one["name"]]
     assert not failed, (failed, cache, result["programs_by_function"])
+    programs, bound = result["programs_by_function"], result["program_bound"]
+    # joins: lane sizes x cache buckets x joining counts (10 per bucket for lanes of 1..8), paddings: bucket pairs
+    assert 0 < programs["put_slots"] <= bound["put_slots"] == 170, (programs, bound)
+    assert programs["pad_rows"] <= bound["pad_rows"] == 15, (programs, bound)
     # every engine program was compiled (or loaded) while the soak counted
     assert 0 < sum(result["programs_by_function"].values()) <= result["phases"][-1]["process_compiles"]

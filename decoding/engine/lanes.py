@@ -24,7 +24,7 @@ from clover_jax.core.state import ModelState
 from decoding.controls import TokenIds
 from decoding.engine import autoregressive_lane, diffusion_lane, speculative_lane
 from decoding.engine.requests import LaneKey, PreparedRequest
-from decoding.engine.slots import capacity_bucket, empty_staging, put_slots, stack_entries, take_slots
+from decoding.engine.slots import at_rows, capacity_bucket, empty_staging, put_slots, stack_entries, take_slots
 from decoding.modes import Mode, strategy
 from decoding.streaming import response_slice
 
@@ -120,10 +120,12 @@ class Lane:
         (a full lane grows once for all of them). joins: (request, staging state, last prompt
         logits) each; there are never more than the lane's free slots once it has grown to
         `max_slots` (the engine admits no more)."""
-        entries = [self._entry(tracked.prepared, staging, last_logits) for tracked, staging, last_logits in joins]
         capacity = max([self.capacity] + [self.rows_for(tracked.rows) for tracked, _, _ in joins])
+        # every entry at the lane's rows: the join's program then depends on the lane's shape and count alone
+        entries = [at_rows(self._entry(tracked.prepared, staging, last_logits), capacity)
+                   for tracked, staging, last_logits in joins]
         if self.slots is None:
-            size = _power_of_two(min(len(joins), self.context.max_slots))
+            size = min(_power_of_two(len(joins)), self.context.max_slots)  # a lane size `max_slots` allows
             self.slots, self.capacity = take_slots(entries[0], np.zeros(size, np.int32), capacity), capacity
             self.occupants = [None] * size
         size = self.size

@@ -5,19 +5,24 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
 `max_context`) and every lane size up to `max_running` (1, 2, 4, ...):
 
 * the prefill chunks (`slots.prefill_chunk`: `unit` times a power of two, up to the model's chunk)
-  on a staging state of each bucket, and the empty staging states — compiled by running them once
-  on zeros;
+  on a staging state of each bucket, the empty staging states, and the padding of a staging state
+  of each bucket to each larger one (`slots.pad_rows`: a request joining a lane of longer rows) —
+  compiled by running them once on zeros;
 * the lane programs — the step (greedy and sampled where the mode samples; a diffusion step with
   and without a block's commit), the join (`put_slots`) and the resize (`take_slots`) — compiled by
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
   bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane),
   then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
-  requests half fill (a burst meeting a busy lane joins with another program). Each warm-up
-  request is cancelled once its lane has stepped (a diffusion request once its first block is out
-  and committed).
+  requests hold (a burst meeting a busy lane joins with another program; `busy_joins`: with them
+  every lane size meets every joining count its joins can pad to, `max_running` a power of two or
+  not). Each warm-up request is cancelled once its lane has stepped (a diffusion request once its
+  first block is out and committed). A join's program depends on the lane's shape and the joining count alone (the
+  entries come padded to the lane's rows, `slots.at_rows`), so requests of one bucket cover the
+  joins of requests of any smaller buckets into that lane.
 
-Arrival patterns outside that (say 3 requests joining a lane of 5) compile their small join
-program on demand; the engine logs every program compiled after `precompile` with its shape.
+Patterns outside that (a lane whose rows grow or shrink between buckets under live requests: a
+resize from one bucket to another) compile their small program on demand; the engine logs every
+program compiled after `precompile` with its shape.
 `compiled_programs()` counts the engine's programs (each jitted function's executable cache).
 
 On a CPU, XLA keeps every compiled program's machine code in memory mappings of the process (a
@@ -47,7 +52,7 @@ from decoding.modes import Mode, strategy
 logger = logging.getLogger(__name__)
 
 PROGRAMS = (diffusion_lane.diffusion_step, autoregressive_lane.autoregressive_step, speculative_lane.speculative_step,
-            slots.put_slots, slots.take_slots, slots.prefill_chunk, slots.empty_staging)
+            slots.put_slots, slots.take_slots, slots.prefill_chunk, slots.empty_staging, slots.pad_rows)
 
 
 def compiled_programs() -> int:
@@ -131,6 +136,7 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
         key = LaneKey(mode, block, block if strategy(mode).whole_blocks else None)
         check_mapping_headroom()
         _prefills(warm, key)
+        _paddings(warm, key)
         samples = (False, True) if sample and strategy(mode).mode != Mode.SELF_SPECULATIVE else (False,)
         for capacity in buckets(warm._capacity(key)):
             traffic = _Traffic(warm, key, capacity, timeout)
@@ -142,10 +148,9 @@ def _compile(warm, *, modes, block_sizes, sample: bool, timeout: float) -> list:
                 for sampled in samples:
                     check_mapping_headroom()
                     traffic.burst(lanes, sampled)
-            sizes = lane_sizes(warm.max_running)
-            for previous, size in itertools.pairwise(sizes):
+            for size, live, joining in busy_joins(warm.max_running):
                 check_mapping_headroom()
-                traffic.joins_into(previous, size)
+                traffic.joins_into(size, live, joining)
     return kinds
 
 
@@ -186,13 +191,16 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
     (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
     without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
-    sizes - 1 of each per bucket: one request joining each size, a burst filling each), prefill
-    chunks (first and later chunks; shared by lane kinds of one unit) and empty staging states."""
+    sizes - 1 of each per bucket: one request joining each size, a burst filling each; and per
+    bucket `busy_joins`' joins and the resizes they add), prefill chunks (one per chunk length and
+    bucket: a prompt's first chunk and a later one share it; shared by lane kinds of one unit),
+    empty staging states and paddings (a staging state of each bucket to each larger bucket;
+    shared by lane kinds)."""
     from decoding.engine.engine import UNIT
 
     sizes = len(lane_sizes(max_running))
     counts = {"steps": 0, "joins": 0, "resizes": 0}
-    prefills, staging = set(), set()
+    prefills, staging, paddings = set(), set(), set()
     for mode in dict.fromkeys(Mode(mode) for mode in modes):
         decoder = strategy(mode)
         for block in (sorted(set(block_sizes)) if decoder.decodes_blocks else [None]):
@@ -200,28 +208,46 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
             caps = buckets(max_context + (0 if decoder.whole_blocks else UNIT))
             variants = (2 if decoder.whole_blocks else 1) * (2 if sample and mode != Mode.SELF_SPECULATIVE else 1)
             counts["steps"] += len(caps) * sizes * variants
-            counts["joins"] += len(caps) * (2 * sizes - 1 + _busy_joins(max_running))
-            counts["resizes"] += len(caps) * (2 * sizes - 1)
+            counts["joins"] += len(caps) * (2 * sizes - 1 + len(busy_joins(max_running)))
+            counts["resizes"] += len(caps) * (2 * sizes - 1 + len(_busy_resizes(max_running)))
             staging.update(caps)
+            paddings.update(itertools.combinations(caps, 2))
             chunk = max(unit, chunk_size // unit * unit)
             for capacity in caps:
-                for size in chunk_sizes(unit, chunk):
-                    prefills.update({(size, capacity, "first")} if size < capacity else set())
-                    prefills.update({(size, capacity, "later")} if unit + size < capacity else set())
-    counts.update(prefills=len(prefills), staging=len(staging))
+                # a later chunk (unit + size < capacity) runs the first chunk's program: the same shapes
+                prefills.update((size, capacity) for size in chunk_sizes(unit, chunk) if size < capacity)
+    counts.update(prefills=len(prefills), staging=len(staging), paddings=len(paddings))
     counts["total"] = sum(counts.values())
     return counts
 
 
-def _busy_joins(max_running: int) -> int:
-    """Joins `_Traffic.joins_into` adds to one-by-one's and the bursts': 2, 4, ... requests into a
-    lane of each size that the size before it holds (their count padded to a power of two)."""
-    sizes, extra = lane_sizes(max_running), 0
-    for previous, size in itertools.pairwise(sizes):
+def busy_joins(max_running: int) -> list[tuple[int, int, int]]:
+    """(lane size, requests live in it, requests joining together) of each join `_Traffic.joins_into`
+    sends into a busy lane, beside one-by-one's (1 joining) and the bursts' (a fresh lane): for each
+    lane size after the first, with the size before it live, 2, 4, ... joining while they fit; and
+    where the size is not a power of two, the joining counts that this misses, whose power of two
+    is below the size's (a burst of the size gives that one): the fewest requests padded to it,
+    into a lane that the rest of the size holds. So each lane size meets every joining count k = 1,
+    2, 4, ... up to the size rounded up to a power of two."""
+    patterns = []
+    for previous, size in itertools.pairwise(lane_sizes(max_running)):
         count = 2
         while previous + count <= size:
-            extra, count = extra + 1, count * 2
-    return extra
+            patterns.append((size, previous, count))
+            count *= 2
+        while count < 1 << (size - 1).bit_length():
+            patterns.append((size, size - (count // 2 + 1), count // 2 + 1))
+            count *= 2
+    return patterns
+
+
+def _busy_resizes(max_running: int) -> set[tuple[int, int]]:
+    """Resizes `busy_joins` adds: a lane that its live requests grew to (a power of two) growing to a
+    size, where that lane is not the size before it (one-by-one's; a burst's fresh lane is made
+    from one request's entry, whose NumPy leaves make it another program than a lane of one slot)."""
+    sizes = lane_sizes(max_running)
+    grown = {(min(1 << max(live - 1, 0).bit_length(), max_running), size) for size, live, _ in busy_joins(max_running)}
+    return {(start, size) for start, size in grown if start != sizes[sizes.index(size) - 1]}
 
 
 @contextlib.contextmanager
@@ -263,6 +289,14 @@ def _prefills(engine, key: LaneKey) -> None:
                 run(new_staging(engine.context, capacity, 0), size)
             if unit + size < capacity:
                 run(run(new_staging(engine.context, capacity, 0), unit), size)
+
+
+def _paddings(engine, key: LaneKey) -> None:
+    """`slots.pad_rows` of a staging state of every bucket to every larger bucket, run once on zeros
+    (a join's entry as `slots.at_rows` pads it: its slot axis as `slots.one_slot` gives it)."""
+    capacities = buckets(engine._capacity(key))
+    for smaller, larger in itertools.combinations(capacities, 2):
+        slots.pad_rows(slots.one_slot(new_staging(engine.context, smaller, 0)), larger)
 
 
 class _Traffic:
@@ -328,26 +362,21 @@ class _Traffic:
             wait.until(self.timeout)
         self._end(handles, waits)
 
-    def joins_into(self, previous: int, size: int) -> None:
-        """A lane of `size` slots that `previous` requests hold (they join one by one), then 2, 4,
-        ... requests arriving together while there is room, each group ended before the next: the
-        join of every padded count into a lane of that size (a burst meeting a busy lane)."""
+    def joins_into(self, size: int, live: int, joining: int) -> None:
+        """`joining` requests arriving together into a lane of `size` slots that `live` requests
+        hold (they join one by one first): one of `busy_joins`' patterns (a burst meeting a busy lane)."""
         handles, waits = [], []
-        for index in range(previous):
+        for index in range(live):
             wait = _Wait(1)
             handles.append(self.engine.submit(self._request(self.max_new_tokens, False, index), wait))
             waits.append(wait)
             wait.until(self.timeout)
-        count = 2  # one joining a busy lane was `one_by_one`'s
-        while previous + count <= size:
-            group = [_Wait(1) for _ in range(count)]
-            joined = self.engine.submit_all([self._request(self.max_new_tokens, False, previous + index)
-                                             for index in range(count)], group)
-            for wait in group:
-                wait.until(self.timeout)
-            self._end(joined, group)
-            count *= 2
-        self._end(handles, waits)
+        group = [_Wait(1) for _ in range(joining)]
+        joined = self.engine.submit_all([self._request(self.max_new_tokens, False, live + index)
+                                         for index in range(joining)], group)
+        for wait in group:
+            wait.until(self.timeout)
+        self._end(joined + handles, group + waits)
 
     def _end(self, handles, waits) -> None:
         for handle in handles:

@@ -68,7 +68,12 @@ def put_slots(slots: Any, indices: jax.Array, treedef: Any, leaves: tuple, on_ho
     """`slots` with slot `indices[j]` (int32 [k]) replaced by entry j of `stack_entries`' output.
     An entry's K/V caches may hold fewer rows than the lane's: they fill the slot's first rows, and
     the rows after them (past the request's fill) are never read. An index may repeat with the
-    same entry (a join padded to a power of two, so joins compile log2(slots) + 1 programs)."""
+    same entry (a join padded to a power of two).
+
+    The engine passes entries whose caches `at_rows` brought to the lane's rows, so a program
+    depends on the lane's shape (slots, rows) and the padded count k alone: log2(slots) + 1 per
+    lane shape, whatever cache buckets the joining requests' staging states had and in whatever
+    order they come (unpadded entries still join, with a program per combination of their rows)."""
     axes = jax.tree_util.tree_leaves(slot_axes(treedef.unflatten([0] * treedef.num_leaves)))
 
     def stacked(leaf, host, axis):
@@ -104,21 +109,60 @@ def take_slots(slots: Any, indices: jax.Array, capacity: int) -> Any:
         return jnp.take(node, indices, axis=axis)
 
     taken = jax.tree_util.tree_map(take, slots, slot_axes(slots))
+    return jax.tree_util.tree_map(lambda node: _with_rows(node, capacity) if isinstance(node, ModelState) else node,
+                                  taken, is_leaf=lambda node: isinstance(node, ModelState))
 
+
+def _with_rows(state: ModelState, capacity: int) -> ModelState:
+    """`state` with its K/V caches ([groups, slots, rows, ...]) cut or zero-padded to `capacity` rows."""
+    layers = {}
+    for name, layer in state.layers.items():
+        if isinstance(layer, KVCache):
+            rows = layer.key.shape[2]
+            cut = lambda a, rows=rows: a[:, :, :capacity] if rows >= capacity else jnp.pad(
+                a, [(0, 0), (0, 0), (0, capacity - rows)] + [(0, 0)] * (a.ndim - 3))
+            layer = KVCache(cut(layer.key), cut(layer.value))
+        layers[name] = layer
+    return state._replace(layers=layers)
+
+
+def cache_rows(state: ModelState) -> int | None:
+    """The rows of a prefix state's K/V caches (None: it has none, a GDN-only model)."""
+    for layer in state.layers.values():
+        if isinstance(layer, KVCache):
+            return layer.key.shape[2]
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def pad_rows(state: ModelState, capacity: int) -> ModelState:
+    """A one-slot prefix state (a staging state as `one_slot` makes it) with its K/V caches
+    zero-padded at the end to `capacity` rows; the rows it held keep their places. One program per
+    (staging bucket, lane rows) with the bucket below the rows: b(b - 1)/2 for b cache buckets."""
+    return _with_rows(state, capacity)
+
+
+def at_rows(entry: Any, capacity: int) -> Any:
+    """A join's entry (one slot of a lane's pytree) with its prefix state's K/V caches at the
+    lane's `capacity` rows (`pad_rows` where it holds fewer; NumPy leaves untouched), so that
+    `put_slots` compiles one program per lane shape and joining count, not one per combination of
+    the joining requests' cache buckets. Padding to the lane's rows rather than to the largest
+    bucket among the joining entries: the join's program then depends on no entry at all (padding
+    to the largest would still key it by that bucket, one program per lane shape, count and smaller
+    bucket), and `put_slots` writes each slot's full rows either way (it pads inside); the cost is
+    one copy of each padded entry at the lane's rows. ValueError for an entry holding more rows
+    than the lane (the lane must grow first)."""
     def fit(node):
         if not isinstance(node, ModelState):
             return node
-        layers = {}
-        for name, layer in node.layers.items():
-            if isinstance(layer, KVCache):
-                rows = layer.key.shape[2]
-                cut = lambda a, rows=rows: a[:, :, :capacity] if rows >= capacity else jnp.pad(
-                    a, [(0, 0), (0, 0), (0, capacity - rows)] + [(0, 0)] * (a.ndim - 3))
-                layer = KVCache(cut(layer.key), cut(layer.value))
-            layers[name] = layer
-        return node._replace(layers=layers)
+        rows = cache_rows(node)
+        if rows is None or rows == capacity:
+            return node
+        if rows > capacity:
+            raise ValueError(f"an entry of {rows} cache rows cannot join a lane of {capacity} rows")
+        return pad_rows(node, capacity)
 
-    return jax.tree_util.tree_map(fit, taken, is_leaf=lambda node: isinstance(node, ModelState))
+    return jax.tree_util.tree_map(fit, entry, is_leaf=lambda node: isinstance(node, ModelState))
 
 
 def capacity_bucket(rows: int, max_context: int, smallest: int = 64) -> int:

@@ -1,10 +1,12 @@
 """`Engine.precompile`: after it, requests of the precompiled set (mode, block size, lane sizes up
-to max_running, cache buckets up to max_context) compile nothing; a request outside it (another
-block size, another mode) compiles on demand, and the engine logs that with its shape."""
+to max_running, cache buckets up to max_context) compile nothing — requests of different cache
+buckets joining one lane included, which then decode as alone; a request outside it (another block
+size, another mode) compiles on demand, and the engine logs that with its shape."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -16,12 +18,12 @@ model = test_engine.model  # the engine tests' model (a fixture)
 
 
 def test_after_precompile_the_set_compiles_nothing_and_the_rest_is_logged(model, controls_config, caplog):
-    with Engine(model, controls_config, max_running=2, max_context=64) as engine:
+    with Engine(model, controls_config, max_running=2, max_context=128) as engine:
         done = engine.precompile(["diffusion"], [8], sample=False)
-        planned = precompile.planned_programs(modes=["diffusion"], block_sizes=[8], max_running=2, max_context=64,
+        planned = precompile.planned_programs(modes=["diffusion"], block_sizes=[8], max_running=2, max_context=128,
                                               chunk_size=model.chunk_size, sample=False)
-        # in a fresh process exactly the plan (17); fewer where earlier tests compiled some of them
-        assert done.programs <= planned["total"] == 17 and done.seconds > 0
+        # in a fresh process exactly the plan (30, measured); fewer where earlier tests compiled some of them
+        assert done.programs <= planned["total"] == 30 and planned["paddings"] == 1 and done.seconds > 0
         before = precompile.compiled_programs()
         # one at a time, then together: prompts of several lengths, other controls and schedules
         traffic = [EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[2], overrides={"schedule": "fixed_k"}),
@@ -29,7 +31,21 @@ def test_after_precompile_the_set_compiles_nothing_and_the_rest_is_logged(model,
         for request in traffic:
             assert engine.run([request], timeout=600)[0].error is None
         assert all(result.error is None for result in engine.run(traffic[:2], timeout=600))
+        # a request of the 128-row bucket and one of the 64-row bucket joining one lane together, then
+        # one of 64 rows joining a busy lane of 128: the padding and join programs of the set
+        long = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 48, "dllm_length_penalty": 0.0}, seed=2)
+        mixed = engine.run([long, traffic[0]], timeout=600)
+        started = threading.Event()
+        handle = engine.submit(long, lambda event: started.set())
+        started.wait(600)
+        [joined] = engine.run([traffic[1]], timeout=600)
+        handle.cancel()
         assert (precompile.compiled_programs(), engine.compiled_on_demand) == (before, 0)
+        assert joined.error is None
+        for request, result in [(long, mixed[0]), (traffic[0], mixed[1])]:
+            tokens, nfe, steps = test_engine.alone(model, controls_config, request)
+            assert (result.error, result.tokens, result.stats.nfe, result.stats.steps_per_block) == (
+                None, tokens, nfe, steps)
         with caplog.at_level(logging.WARNING, logger="decoding.engine.precompile"):
             results = engine.run([EngineRequest(PROMPTS[0], overrides={"block_size": 4}),
                                   EngineRequest(PROMPTS[2], "autoregressive")], timeout=600)
