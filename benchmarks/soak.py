@@ -112,7 +112,8 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
     (put_slots): a lane (L x C) and the number joining, padded to a power of two k <= the lane's
     size rounded up to one (the entries come at the lane's rows: their buckets do not count), per
     kind — `precompile.planned_programs`' joins; paddings (pad_rows): a staging bucket to each larger
-    bucket of C (lane kinds share them); prefill chunks: P x C x (first, later); staging states: C;
+    bucket of C (lane kinds share them); prefill chunks: P x C (a first and a later chunk share a
+    program); staging states: C;
     the prefix cache's copies: per staging bucket (kv_rows, gdn_states, put_kv_rows, put_gdn) and
     per lane shape (slot_gdn, slot_kv_rows)."""
     from decoding.engine.engine import UNIT
@@ -141,7 +142,7 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
             bound["slot_kv_rows"] += lanes
     chunk = engine.model.chunk_size
     chunks = [1 << power for power in range(chunk.bit_length()) if 1 << power <= chunk]
-    bound["prefill_chunk"] = len(chunks) * len(staging) * 2
+    bound["prefill_chunk"] = len(chunks) * len(staging)
     for name in ("empty_staging", "kv_rows", "gdn_states", "put_kv_rows", "put_gdn"):
         bound[name] = len(staging)
     bound["pad_rows"] = len(paddings)

@@ -120,6 +120,8 @@ class Lane:
         (a full lane grows once for all of them). joins: (request, staging state, last prompt
         logits) each; there are never more than the lane's free slots once it has grown to
         `max_slots` (the engine admits no more)."""
+        if self.live + len(joins) > self.context.max_slots:
+            raise RuntimeError(f"lane {self.key} is full ({self.size} slots)")  # the engine admits no more
         capacity = max([self.capacity] + [self.rows_for(tracked.rows) for tracked, _, _ in joins])
         # every entry at the lane's rows: the join's program then depends on the lane's shape and count alone
         entries = [at_rows(self._entry(tracked.prepared, staging, last_logits), capacity)
@@ -130,8 +132,6 @@ class Lane:
             self.occupants = [None] * size
         size = self.size
         if self.live + len(joins) > size:
-            if self.live + len(joins) > self.context.max_slots:
-                raise RuntimeError(f"lane {self.key} is full ({size} slots)")  # the engine admits no more
             size = min(_power_of_two(self.live + len(joins)), self.context.max_slots)
         if (size, capacity) != (self.size, self.capacity):
             self._reshape(size, capacity)

@@ -71,7 +71,7 @@ def put_slots(slots: Any, indices: jax.Array, treedef: Any, leaves: tuple, on_ho
     same entry (a join padded to a power of two).
 
     The engine passes entries whose caches `at_rows` brought to the lane's rows, so a program
-    depends on the lane's shape (slots, rows) and the padded count k alone: log2(slots) + 1 per
+    depends on the lane's shape (slots, rows) and the padded count k alone: ⌈log2(slots)⌉ + 1 per
     lane shape, whatever cache buckets the joining requests' staging states had and in whatever
     order they come (unpadded entries still join, with a program per combination of their rows)."""
     axes = jax.tree_util.tree_leaves(slot_axes(treedef.unflatten([0] * treedef.num_leaves)))
@@ -150,7 +150,9 @@ def at_rows(entry: Any, capacity: int) -> Any:
     bucket among the joining entries: the join's program then depends on no entry at all (padding
     to the largest would still key it by that bucket, one program per lane shape, count and smaller
     bucket), and `put_slots` writes each slot's full rows either way (it pads inside); the cost is
-    one copy of each padded entry at the lane's rows. ValueError for an entry holding more rows
+    one copy of each padded entry at the lane's rows, all k of them alive while `put_slots` stacks
+    them: a join of k requests into a lane of R rows briefly holds about 2k slots of R rows of
+    K/V (the copies and their stack) beside the lane. ValueError for an entry holding more rows
     than the lane (the lane must grow first)."""
     def fit(node):
         if not isinstance(node, ModelState):

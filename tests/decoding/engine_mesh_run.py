@@ -4,7 +4,8 @@ tests/decoding/test_engine_mesh.py in a fresh process (the device count is fixed
     python engine_mesh_run.py CHECKPOINT OUT.json --mesh 1,4,2
 
 Writes {"mesh": ..., "requests": [{"mode", "engine": tokens, "generate": tokens, "nfe": [engine,
-generate], "error"}], "joined_mid_flight": bool, "auto": the mesh `--target auto` picks here}. The first request
+generate], "error"}], "joined_mid_flight": bool, "auto": the mesh `--target auto` picks here,
+"prefix_cache": [{"mode", "engine", "generate", "cached_tokens", ...}]}. The first request
 runs alone until its first block is out; the others join it then, so they join a lane mid-flight.
 """
 
@@ -19,6 +20,9 @@ from tests.clover_jax.parallel.sharded_run import MASK_ID, peaked
 PROMPTS = [[5, 9, 17, 33, 2, 70, 12, 40, 41], [44, 3, 8], [60, 61, 62, 63, 64], [20, 21, 22, 23, 24, 25, 26]]
 MODES = ["diffusion", "autoregressive", "self_speculative", "diffusion"]
 OVERRIDES = [{"max_new_tokens": 16}, {}, {}, {"schedule": "fixed_k"}]
+# a harness's growing transcript: its first 10 tokens are one turn, the whole of it the next
+TRANSCRIPT = [20 + (7 * i) % 90 for i in range(19)]
+PREFIX_MODES = ["diffusion", "autoregressive", "self_speculative"]
 
 
 def generation_config():
@@ -66,13 +70,26 @@ def main() -> None:
         finished.wait(600)
     results = [{"tokens": first["tokens"], "nfe": first["nfe"], "error": None}] + \
               [{"tokens": r.tokens, "nfe": r.stats.nfe, "error": r.error} for r in later]
+    # The prefix cache on the mesh: each mode's transcript stored by its first turn, then a longer turn
+    # that starts from the cached K/V rows and GDN states (sharded as the lanes' state is).
+    cached = []
+    with Engine(model, config, max_running=4, prefix_cache_bytes=1 << 26, prefix_cache_grid=4) as engine:
+        for mode in PREFIX_MODES:
+            engine.run([EngineRequest(TRANSCRIPT[:10], mode)], timeout=600)
+            (turn,) = engine.run([EngineRequest(TRANSCRIPT, mode)], timeout=600)
+            cached.append({"mode": mode, "engine": turn.tokens, "nfe": turn.stats.nfe, "error": turn.error,
+                           "cached_tokens": turn.stats.cached_tokens})
     auto = resolve_placement(model.config, quantize=None, mesh=None, target="auto", context_length=256, batch=4)
-    record = {"mesh": shape, "joined_mid_flight": joined_mid_flight, "requests": [], "auto": auto.mesh_shape}
+    record = {"mesh": shape, "joined_mid_flight": joined_mid_flight, "requests": [], "auto": auto.mesh_shape,
+              "prefix_cache": cached}
     for request, result in zip(requests, results, strict=True):
         alone = generate(model, [list(request.prompt)], config, key=jax.random.key(request.seed), mode=request.mode,
                          **request.overrides)
         record["requests"].append({"mode": request.mode, "engine": result["tokens"], "generate": alone.sequences[0],
                                    "nfe": [result["nfe"], alone.nfe[0]], "error": result["error"]})
+    for one in cached:
+        alone = generate(model, [TRANSCRIPT], config, key=jax.random.key(0), mode=one["mode"])
+        one.update(generate=alone.sequences[0], generate_nfe=alone.nfe[0])
     with open(args.out, "w") as handle:
         json.dump(record, handle)
 

@@ -1,6 +1,7 @@
 """The serving engine on a mesh of 8 fake CPU devices (experts over 4, heads over 2) decodes what
 `generate` decodes on that mesh, for every mode and requests that join a lane
-mid-flight; a mesh with a data axis is refused before anything compiles."""
+mid-flight, and with its prefix cache (a turn restored from the last one's cached prefix); a mesh
+with a data axis is refused before anything compiles."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ def test_the_engine_on_a_mesh_equals_generate_on_it(small_clover_checkpoint, tmp
         assert one["error"] is None
         assert (one["engine"], one["nfe"][0]) == (one["generate"], one["nfe"][1]), one
         assert len(one["engine"]) > 1
+    # the prefix cache on the mesh: the second turn restores at least the first turn's grid-aligned
+    # prompt (8 of its 10 tokens; more where the first turn's response ran on along the transcript)
+    # and decodes what generate decodes on the mesh without any cache
+    assert [one["mode"] for one in record["prefix_cache"]] == engine_mesh_run.PREFIX_MODES
+    for one in record["prefix_cache"]:
+        assert one["error"] is None and one["cached_tokens"] >= 8 and one["cached_tokens"] % 4 == 0, one
+        assert (one["engine"], one["nfe"]) == (one["generate"], one["generate_nfe"]), one
 
 
 def test_a_mesh_with_a_data_axis_is_refused(small_clover_checkpoint):

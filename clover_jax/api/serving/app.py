@@ -121,7 +121,8 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
         if chat.sampling.stream:
             scores = _streamed_scores(service, prepared, chat.sampling, chat=True)
-            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores))
+            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores,
+                                run_scoring=service.run_scoring))
         messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
@@ -129,7 +130,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             finish = reply.finish(event, text)
             scores = None
             if chat.sampling.logprobs:
-                scores = await run_in_threadpool(_response_scores, service, prepared[index], tokens, logprobs,
+                scores = await service.run_scoring(_response_scores, service, prepared[index], tokens, logprobs,
                                                  chat.sampling.top_logprobs)
             choices.append({"index": index, "message": message.as_openai(),
                             "logprobs": None if scores is None else chat_logprobs(service.tokenizer, tokens, scores),
@@ -150,14 +151,14 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             echo_scores = None
             if sampling.logprobs and sampling.echo:
                 try:
-                    echo_scores = [await run_in_threadpool(_echo_scores, service, one, sampling.top_logprobs,
+                    echo_scores = [await service.run_scoring(_echo_scores, service, one, sampling.top_logprobs,
                                                            scores[i]) for i, one in enumerate(prepared)]
                 except BaseException:  # no stream will end the submitted requests: free their slots here
                     for submission in submissions:
                         submission.cancel()
                     raise
             return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
-                                scores=scores, echo_scores=echo_scores))
+                                scores=scores, echo_scores=echo_scores, run_scoring=service.run_scoring))
         messages, collected = await _collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
@@ -165,7 +166,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             finish = reply.finish(event, text)
             scores = None
             if sampling.logprobs:
-                scores = await run_in_threadpool(_completion_scores, service, prepared[index], tokens, logprobs,
+                scores = await service.run_scoring(_completion_scores, service, prepared[index], tokens, logprobs,
                                                  sampling.top_logprobs, sampling.echo)
             choices.append({"index": index, "text": echoes[index] + message.text, "logprobs": scores,
                             "finish_reason": finish})
@@ -276,9 +277,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(encoded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText], include_usage: bool,
+async def _stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText], include_usage: bool, *,
                   chat: bool, echoes: list[str] | None = None, scores: list[StreamedLogprobs] | None = None,
-                  echo_scores: list[dict | None] | None = None):
+                  echo_scores: list[dict | None] | None = None, run_scoring=None):
     """The chunks of every choice, as each one's events come (choice i: index i). A choice the
     engine failed or the shutdown ended ends the stream with an OpenAI error event.
 
@@ -287,7 +288,9 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
     carried some go with the first chunk made of them, so a token's figures come with the chunk
     that carries its text, or before it (text held back: a partial character, a possible stop
     string or tag), never after; a causal mode's chunk waits for its scoring pass. echo_scores:
-    completions with echo, the prompt's figures (the echo chunk's)."""
+    completions with echo, the prompt's figures (the echo chunk's). run_scoring: how a causal
+    mode's scoring pass runs (`Service.run_scoring`; by default on the server's thread pool)."""
+    run_scoring = run_scoring or run_in_threadpool
     def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
         if chat:
             return {**reply.base("chat.completion.chunk"), "choices": [
@@ -313,7 +316,7 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
             return out
         one = scores[index]
         try:
-            figures = await run_in_threadpool(one.take) if one.causal else one.take()
+            figures = await run_scoring(one.take) if one.causal else one.take()
         except Exception as error:  # the stream has begun (200 sent): it ends with an error event
             logger.exception("scoring a streamed response failed")
             raise ApiError(500, f"internal error: scoring the response failed: {type(error).__name__}: {error}",

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import secrets
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
+
+import anyio
+import anyio.to_thread
 
 from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.protocol import ChatRequest, CompletionRequest, Sampling
@@ -59,6 +63,17 @@ class Service:
         self.block_sizes = tuple(sorted(set(block_sizes)))
         self.context = engine.max_context
         self._scoring = threading.Lock()  # one scoring pass at a time beside the engine (memory)
+        self._scoring_limiter: anyio.CapacityLimiter | None = None  # made in the server's event loop
+
+    async def run_scoring(self, function, *args):
+        """`function(*args)`, a scoring pass, on a worker thread, one at a time: requests wait
+        for their turn here rather than each on a thread of the server's shared pool (40 streams
+        waiting on the lock would hold every thread, and no new request could be prepared), and a
+        request whose client leaves stops waiting at once (a pass it started finishes alone)."""
+        if self._scoring_limiter is None:
+            self._scoring_limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self._scoring_limiter,
+                                              abandon_on_cancel=True)
 
     # ------------------------------------------------------------------ requests
     def check_model(self, model: str) -> None:
