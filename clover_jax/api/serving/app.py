@@ -376,6 +376,9 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
             yield {**reply.base(kind), "choices": [], "usage": reply.usage([finals[i] for i in sorted(finals)])}
     except ApiError as error:
         yield error.body()
+    except Exception as error:  # the 200 is sent: any failure ends the stream with an error event
+        logger.exception("a streamed response failed")
+        yield ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal_error").body()
     finally:
         for task in pumps:
             task.cancel()

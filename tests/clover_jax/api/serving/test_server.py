@@ -360,6 +360,19 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
     assert failed[-1]["error"]["code"] == "internal_error" and "no memory left" in failed[-1]["error"]["message"]
     assert all(choice["logprobs"] is None for chunk in failed[:-1] for choice in chunk["choices"])
 
+    # so does any other failure inside the stream (here the text's parser), logged, never a cut connection
+    class BrokenText(ChoiceText):
+        def push(self, tokens):
+            raise RuntimeError("parser broke")
+
+    async def broken_text_chunks():
+        reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
+        return [chunk async for chunk in _stream(reply, [Script(ids, [5])], [BrokenText(CharTokenizer(), [], False,
+                                                                                        TOOLS)], True, chat=True)]
+
+    failed = asyncio.run(broken_text_chunks())
+    assert failed[-1]["error"]["code"] == "internal_error" and "parser broke" in failed[-1]["error"]["message"]
+
 
 # ---------------------------------------------------------------------- safety
 def test_api_key_body_limit_and_capacity(tools_server):
