@@ -330,7 +330,8 @@ async def _stream(reply: _Reply, submissions: list[Submission], texts: list[Choi
         for index in range(len(submissions)):
             if chat:
                 yield chunk(index, {"role": "assistant", "content": ""})
-            elif echoes and echoes[index]:
+            elif echoes and (echoes[index] or echo_scores and echo_scores[index] and echo_scores[index]["tokens"]):
+                # a prompt whose text is "" (token ids that decode to nothing) still sends its figures
                 echoed = chunk(index, {"content": echoes[index]})
                 echoed["choices"][0]["logprobs"] = echo_scores[index] if echo_scores else None
                 yield echoed
