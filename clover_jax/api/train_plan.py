@@ -66,7 +66,7 @@ def train_meshes(config: CloverConfig, chips: int, finetune: FinetuneConfig) -> 
     every sequence the axis holds. LoRA r16 with expert adapters, H200x8, 8 x 4,096 tokens: 116.4 GB
     per GPU on (1, 8, 1), 44.1 GB on (8, 1, 1) (the compiler's figures, docs/training.md). The
     expert-parallel mesh moves fewer bytes (its experts stay split rather than gathered per
-    layer), so it is the second choice, for steps that fit either way only by the user's choice."""
+    layer): where both fit, pin it with `FinetuneConfig.mesh`."""
     if finetune.mesh is not None:
         return [dict(zip(MESH_AXES, finetune.mesh, strict=True))]
     split = math.gcd(finetune.micro_batch, chips)
