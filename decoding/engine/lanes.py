@@ -127,17 +127,17 @@ class Lane:
         entries = [at_rows(self._entry(tracked.prepared, staging, last_logits), capacity)
                    for tracked, staging, last_logits in joins]
         if self.slots is None:
-            size = min(_power_of_two(len(joins)), self.context.max_slots)  # a lane size `max_slots` allows
+            size = min(power_of_two(len(joins)), self.context.max_slots)  # a lane size `max_slots` allows
             self.slots, self.capacity = take_slots(entries[0], np.zeros(size, np.int32), capacity), capacity
             self.occupants = [None] * size
         size = self.size
         if self.live + len(joins) > size:
-            size = min(_power_of_two(self.live + len(joins)), self.context.max_slots)
+            size = min(power_of_two(self.live + len(joins)), self.context.max_slots)
         if (size, capacity) != (self.size, self.capacity):
             self._reshape(size, capacity)
         free = [slot for slot, occupant in enumerate(self.occupants) if occupant is None][:len(joins)]
         # padded to a power of two with the last join repeated (the same entry into the same slot)
-        padded = _power_of_two(len(joins))
+        padded = power_of_two(len(joins))
         indices = np.array(free + [free[-1]] * (padded - len(joins)), np.int32)
         treedef, leaves, on_host = stack_entries(entries + [entries[-1]] * (padded - len(joins)))
         self.slots = put_slots(self.slots, indices, treedef, leaves, on_host)
@@ -300,7 +300,8 @@ def prefix_length(key: LaneKey, prompt_length: int) -> int:
     return strategy(key.mode).prefix_length(prompt_length, key.block_size)
 
 
-def _power_of_two(count: int) -> int:
+def power_of_two(count: int) -> int:
+    """The lane size `count` requests grow a lane to (before the cap at `max_slots`)."""
     return 1 << max(count - 1, 0).bit_length()
 
 

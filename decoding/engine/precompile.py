@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from decoding.engine import autoregressive_lane, diffusion_lane, slots, speculative_lane
-from decoding.engine.lanes import new_staging, prefix_length
+from decoding.engine.lanes import new_staging, power_of_two, prefix_length
 from decoding.engine.requests import EngineRequest, LaneKey, rows_needed
 from decoding.modes import Mode, strategy
 
@@ -80,7 +80,7 @@ def buckets(limit: int, smallest: int = 64) -> list[int]:
 
 
 def lane_sizes(max_running: int) -> list[int]:
-    """Lane sizes: powers of two below `max_running`, and `max_running` (`lanes._power_of_two`, capped)."""
+    """Lane sizes: powers of two below `max_running`, and `max_running` (`lanes.power_of_two`, capped)."""
     sizes, size = [], 1
     while size < max_running:
         sizes.append(size)
@@ -246,7 +246,7 @@ def _busy_resizes(max_running: int) -> set[tuple[int, int]]:
     size, where that lane is not the size before it (one-by-one's; a burst's fresh lane is made
     from one request's entry, whose NumPy leaves make it another program than a lane of one slot)."""
     sizes = lane_sizes(max_running)
-    grown = {(min(1 << max(live - 1, 0).bit_length(), max_running), size) for size, live, _ in busy_joins(max_running)}
+    grown = {(min(power_of_two(live), max_running), size) for size, live, _ in busy_joins(max_running)}
     return {(start, size) for start, size in grown if start != sizes[sizes.index(size) - 1]}
 
 
