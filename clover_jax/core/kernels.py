@@ -48,6 +48,9 @@ __all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", 
 IMPLS = ("auto", "pallas", "xla")
 ATTENTIONS = ("online_softmax", "dot_product_attention")
 KEY_BLOCK = 1024  # keys reduced at a time by the online softmax (the memory estimate counts its scores)
+# Rows per chunk of a LoRA / QLoRA training pass's routed experts (per device): 4,096 rows are
+# 32,768 pairs at top-8, whose [pairs, hidden] buffers stay under 0.3 GB in bfloat16 at hidden 2,048.
+TRAIN_EXPERT_CHUNK_ROWS = 4096
 
 
 class GDNRule(NamedTuple):
@@ -69,7 +72,8 @@ class ExpertRule(NamedTuple):
     XLA) or "grouped" (two grouped matmuls, `grouped_kernel` "megablox" or "pallas" for
     `platform`'s driver, interpreted or not); `per_device`: they run inside `shard_map`, each
     device on its own experts (the expert axis splits them, or a Pallas custom call, which XLA
-    cannot partition, runs on a mesh); `strategy`: the tiled form's (`routed_expert_mlp`)."""
+    cannot partition, runs on a mesh); `strategy`: the tiled form's (`routed_expert_mlp`);
+    `chunk_rows`: a LoRA / QLoRA training pass's rows per chunk (`KernelChoice.expert_chunk_rows`)."""
 
     kernel: str
     grouped_kernel: str | None
@@ -77,6 +81,7 @@ class ExpertRule(NamedTuple):
     interpret: bool
     per_device: bool
     strategy: str = "auto"
+    chunk_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,11 @@ class KernelChoice:
     "loop": over float stacks the loop has a written-out backward pass (reverse-mode differentiation
     has no rule for its data-dependent trip counts), computing only the routed pairs, as the forward
     does — and on GPU and TPU it takes the grouped matmuls instead.
+
+    expert_chunk_rows: in a training pass whose expert stacks are frozen (LoRA, QLoRA), the routed
+    experts run over at most this many rows (per device) at a time, each chunk recomputed in the
+    backward pass (`expert_lora.adapted_expert_mlp`): every [pairs, ...] buffer of the layer is a
+    chunk's, not the whole batch's. None: `for_training` takes TRAIN_EXPERT_CHUNK_ROWS; 0: one chunk.
     """
 
     attention: str = "online_softmax"  # "online_softmax" | "dot_product_attention"
@@ -100,6 +110,7 @@ class KernelChoice:
     platform: str = "cpu"      # where the kernels run: "cpu" | "gpu" | "tpu"
     gdn_chunk: int | None = None
     expert_strategy: str = "auto"
+    expert_chunk_rows: int | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -109,6 +120,8 @@ class KernelChoice:
                 raise ValueError(f"KernelChoice.{field}={value!r} is not one of ('xla', 'pallas')")
         if self.expert_strategy not in EXPERT_STRATEGIES:
             raise ValueError(f"KernelChoice.expert_strategy={self.expert_strategy!r} is not one of {EXPERT_STRATEGIES}")
+        if self.expert_chunk_rows is not None and self.expert_chunk_rows < 0:
+            raise ValueError(f"KernelChoice.expert_chunk_rows={self.expert_chunk_rows} must be >= 0 (0: one chunk)")
         object.__setattr__(self, "platform", platform_name(self.platform))
 
     @property
@@ -123,7 +136,8 @@ class KernelChoice:
         with its written-out backward, unless `moe="pallas"` asks for the grouped form (interpreted:
         the tests compare the two)."""
         moe = "pallas" if self.platform != "cpu" else self.moe
-        return dataclasses.replace(self, moe=moe, expert_strategy="loop")
+        chunk_rows = TRAIN_EXPERT_CHUNK_ROWS if self.expert_chunk_rows is None else self.expert_chunk_rows
+        return dataclasses.replace(self, moe=moe, expert_strategy="loop", expert_chunk_rows=chunk_rows)
 
     def gdn_rule(self, causal_rows: int) -> GDNRule:
         """The rule for a pass with `causal_rows` causal rows."""
@@ -148,9 +162,11 @@ class KernelChoice:
         """The rule for routed experts whose weights are `quantized` (or not), on a mesh whose expert
         axis has `expert_devices` devices (`on_mesh`: there is a mesh at all)."""
         if self.moe == "xla":
-            return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1, self.expert_strategy)
+            return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1, self.expert_strategy,
+                              self.expert_chunk_rows or None)
         kernel = "pallas" if self.platform == "cpu" else grouped_matmul_kernel(self.platform, "auto", False, quantized)
-        return ExpertRule("grouped", kernel, self.platform, self.interpret, on_mesh)
+        return ExpertRule("grouped", kernel, self.platform, self.interpret, on_mesh,
+                          chunk_rows=self.expert_chunk_rows or None)
 
 
 def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelChoice:

@@ -54,8 +54,38 @@ def adapted_expert_mlp(tokens: jax.Array, expert_ids: jax.Array, expert_weights:
     """`routed_expert_mlp`'s result (tokens [tokens, hidden], expert_ids / expert_weights
     [tokens, top_k]; stacks [experts, out, in], float or quantised) with the adapters added to
     each expert's two projections. rule: the pass's (`KernelChoice.expert_rule`); "grouped" takes
-    the grouped-matmul kernels, anything else `jax.lax.ragged_dot`. returns [tokens, hidden] in
-    the dtype of `tokens`."""
+    the grouped-matmul kernels, anything else `jax.lax.ragged_dot`; its `chunk_rows`, when the
+    tokens are more, runs them a chunk at a time (`_in_chunks`). returns [tokens, hidden] in the
+    dtype of `tokens`."""
+    chunk_rows = rule.chunk_rows if rule is not None else None
+    if chunk_rows and tokens.shape[0] > chunk_rows:
+        return _in_chunks(tokens, expert_ids, expert_weights, chunk_rows, expert_count(stacked(gate_up_proj)),
+                          lambda *chunk: _adapted_pairs(*chunk, gate_up_proj, down_proj, adapters, rule))
+    return _adapted_pairs(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, adapters, rule)
+
+
+def _in_chunks(tokens: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array, chunk_rows: int,
+               num_experts: int, run) -> jax.Array:
+    """`run(tokens, expert_ids, expert_weights)` over consecutive chunks of at most `chunk_rows`
+    tokens, one at a time, each chunk rematerialised in the backward pass: its sorted rows and
+    grouped-matmul outputs ([pairs, hidden] and [pairs, 2 x intermediate] per projection, and
+    their gradients) exist for one chunk at a time. Every token's output is its own, so the
+    result is the unchunked one. The tokens are padded to equal chunks by rows routed nowhere
+    (expert id `num_experts`, weight 0: no group holds their pairs), dropped after."""
+    num_tokens, hidden = tokens.shape
+    chunks = -(-num_tokens // chunk_rows)
+    rows = -(-num_tokens // chunks)
+    pad = chunks * rows - num_tokens
+    padded = (jnp.pad(tokens, ((0, pad), (0, 0))),
+              jnp.pad(expert_ids, ((0, pad), (0, 0)), constant_values=num_experts),
+              jnp.pad(expert_weights, ((0, pad), (0, 0))))
+    by_chunk = [value.reshape((chunks, rows) + value.shape[1:]) for value in padded]
+    outputs = jax.lax.map(jax.checkpoint(lambda chunk: run(*chunk)), tuple(by_chunk))
+    return outputs.reshape(chunks * rows, hidden)[:num_tokens]
+
+
+def _adapted_pairs(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, adapters, rule):
+    """`adapted_expert_mlp` over all its tokens at once."""
     dtype = tokens.dtype
     gate_up_proj, down_proj = stacked(gate_up_proj), stacked(down_proj)
     num_experts = expert_count(gate_up_proj)

@@ -117,6 +117,30 @@ def test_lora_experts_in_bfloat16_keep_float32_factor_gradients_within_bfloat16_
         assert_close(got, want, rtol=3e-2)
 
 
+def test_lora_experts_in_chunks_of_rows_equal_the_whole_pass():
+    """A training pass's routed experts a chunk of rows at a time (`ExpertRule.chunk_rows`, each
+    chunk recomputed in the backward pass): 37 rows in chunks of at most 16 (three of 13, two rows
+    of padding routed nowhere) give the output and every gradient of one pass over all rows."""
+    from clover_jax.core.kernels import TRAIN_EXPERT_CHUNK_ROWS
+
+    tokens, ids, weights, gate_up, down, cotangent = case(37, 6, 2, seed=9)
+    factors = adapters(6, seed=3)
+    whole = KernelChoice(expert_chunk_rows=0).for_training().expert_rule(False)
+    chunked = KernelChoice(expert_chunk_rows=16).for_training().expert_rule(False)
+    assert whole.chunk_rows is None and chunked.chunk_rows == 16
+    assert KernelChoice().for_training().expert_rule(False).chunk_rows == TRAIN_EXPERT_CHUNK_ROWS
+
+    def run(rule):
+        loss = lambda tokens, weights, factors: jnp.sum(
+            adapted_expert_mlp(tokens, ids, weights, gate_up, down, factors, rule) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(tokens, weights, factors)
+
+    (value, grads), (expected, expected_grads) = run(chunked), run(whole)
+    assert_close(value, expected)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+        assert_close(got, want)  # tokens, router combine weights, each expert's four LoRA factors
+
+
 def test_training_takes_the_grouped_experts_on_accelerators_and_the_loop_on_cpu():
     from clover_jax.core.kernels import choose_kernels
 
