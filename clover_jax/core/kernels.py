@@ -43,7 +43,7 @@ from pallas_kernels.gdn_chunk_size import CHUNK_SIZE, chunk_for_blocks
 from pallas_kernels.platforms import PLATFORMS, grouped_matmul_kernel, interpret_for, platform_name
 
 __all__ = ["ATTENTIONS", "EXPERT_STRATEGIES", "ExpertRule", "GDNRule", "IMPLS", "KEY_BLOCK", "KernelChoice",
-           "PLATFORMS", "choose_kernels", "platform_name"]
+           "PLATFORMS", "TRAIN_EXPERT_CHUNK_ROWS", "choose_kernels", "platform_name"]
 
 IMPLS = ("auto", "pallas", "xla")
 ATTENTIONS = ("online_softmax", "dot_product_attention")
