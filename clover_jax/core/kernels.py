@@ -163,7 +163,7 @@ class KernelChoice:
         axis has `expert_devices` devices (`on_mesh`: there is a mesh at all)."""
         if self.moe == "xla":
             return ExpertRule("tiled", None, self.platform, False, on_mesh and expert_devices > 1, self.expert_strategy,
-                              self.expert_chunk_rows or None)
+                              chunk_rows=self.expert_chunk_rows or None)
         kernel = "pallas" if self.platform == "cpu" else grouped_matmul_kernel(self.platform, "auto", False, quantized)
         return ExpertRule("grouped", kernel, self.platform, self.interpret, on_mesh,
                           chunk_rows=self.expert_chunk_rows or None)
