@@ -2,7 +2,7 @@
 Clover-35B-A3B's shapes and with the arguments the model passes; started by
 `tests/pallas_kernels/test_compile.py` in a process that has the compilers on its path.
 
-    python -m tests.pallas_kernels.compile_kernels_run OUT.json
+    python -m tests.pallas_kernels.compile_kernels_run OUT.json [TARGET ...]
 
 Each case is lowered, checked for the kernel's custom call, and compiled by the target's compiler
 (Mosaic for TPU, Triton + ptxas for the GPU). The JSON maps "target/case" to
@@ -15,6 +15,11 @@ import json
 import sys
 
 TARGETS = ("v5e-1", "v6e-1", "H200")
+# What the test suite compiles: one TPU and one GPU (about 30 s of compiling per TPU target on 2 cores).
+# v5e's kernels compile in `make bench` inside whole programs: the decoding loops on v5e-8 in every
+# format (benchmarks/compile_targets.py) and the train step on v5e-8 (benchmarks/train_compile.py).
+SUITE_TARGETS = ("v6e-1", "H200")
+PLATFORMS = {"v5e-1": "tpu", "v6e-1": "tpu", "H200": "gpu"}
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
 # Qwen3.6-35B-A3B: hidden 2048; GDN 16 key heads, 32 value heads, head dim 128; 256 routed experts of
 # intermediate 512, top-8. A prefill chunk is 2048 tokens (16,384 routed rows); a denoising step of a
@@ -23,6 +28,10 @@ TOKENS, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 2048, 16, 32, 128
 HIDDEN, EXPERTS, INTERMEDIATE, TOP_K = 2048, 256, 512, 8
 MATMULS = {"gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # (depth, cols)
 FORMATS = (None, "int8", "int4-g128")
+# GDN's lengths: a prefill chunk and a block commit. Triton + ptxas take ~25 s per length on 2 cores,
+# so the GPU compiles the chunk here and the 32-token commit inside the H200x2 block-diffusion loop
+# (tests/clover_jax/parallel/test_compile_targets.py).
+GDN_TOKENS = {"tpu": (TOKENS, 32), "gpu": (TOKENS,)}
 
 
 def cases(platform: str):
@@ -35,7 +44,7 @@ def cases(platform: str):
 
     spec = jax.ShapeDtypeStruct
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
-    for tokens in (TOKENS, 32):  # a prefill chunk, a block commit
+    for tokens in GDN_TOKENS[platform]:
         # As `clover_jax.nn.gdn` calls it: q, k float32 (L2-normalised in float32), v bf16, decay
         # float32, beta bf16 (a sigmoid of a bf16 projection), float32 state.
         qk = spec((1, tokens, KEY_HEADS, HEAD_DIM), f32)
@@ -138,14 +147,14 @@ def gdn_backward_cases():
     yield f"gdn_chunk_backward/{TOKENS}", jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), args
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, targets: tuple[str, ...] = TARGETS) -> None:
     import jax
 
     from clover_jax.api.aot import compiler_error
     from clover_jax.parallel.targets import compile_only_devices, target
 
     results = {}
-    for name in TARGETS:
+    for name in targets:
         chosen = target(name)
         device = compile_only_devices(chosen)[0]
         sharding = jax.sharding.SingleDeviceSharding(device)
@@ -167,4 +176,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2:]) or TARGETS)

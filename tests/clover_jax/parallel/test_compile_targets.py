@@ -102,61 +102,70 @@ def test_plan_arithmetic_shards_what_is_not_an_expert_on_an_expert_mesh():
 BF16, INT4 = "bfloat16", "int4 experts (g128)"
 
 
-# Compiled here: TPU v5e-4 (expert axis 4, the dense weights split over it) in bfloat16 (megablox)
-# and int4 experts (our kernel, dequantising per tile), and two H200s in bfloat16 (the GPU's int4
-# kernel compiles in tests/pallas_kernels/test_compile.py and at full size in `make bench`). The
-# GPU compiler takes about twice as long per loop (Triton and ptxas).
-COMPILED = {"v5e-4": [BF16, INT4], "H200x2": [BF16]}
+# Compiled here: TPU v5e-4 (expert axis 4, the dense weights split over it) in bfloat16 (megablox),
+# the three loops, and in int4 experts (our kernel, dequantising per tile), the block-diffusion loop;
+# two H200s in bfloat16, the block-diffusion loop (the GPU's int4 kernel compiles in
+# tests/pallas_kernels/test_compile.py; every loop, format and target at full size in `make bench`).
+# The GPU compiler takes about twice as long per loop (Triton and ptxas).
+THREE = ("diffusion", "autoregressive", "self_speculative")
+COMPILED = {"v5e-4": {BF16: THREE, INT4: ("diffusion",)}, "H200x2": {BF16: ("diffusion",)}}
 
 
 @pytest.fixture(scope="module")
 def compiled_plans(tmp_path_factory):
-    """The small model planned with the compilers for each target of COMPILED, at a context of 256
-    (one prefill chunk and 4 blocks, as 4096 was: one v5e-4 format's three loops took 85 s to compile
-    there, 60 s at 1024, 45 s here; the loops and the kernels in them are the same at every length)."""
+    """The small model planned with the compilers for each target and format of COMPILED (one plan
+    per format: its loops), at a context of 256 (one prefill chunk and 4 blocks, as 4096 was: one
+    v5e-4 format's three loops took 85 s to compile there, 60 s at 1024, 45 s here; the loops and
+    the kernels in them are the same at every length)."""
     import clover_jax
 
     config = CloverConfig.from_dict(SMALL)
-    # The three loops share most of their kernels; with XLA's kernel cache the GPU compiler builds
-    # each once (LLVM and ptxas per kernel) instead of once per loop: the H200 compiles took 92 s
-    # without it, 53 s with it, and the compiler reported the same bytes and kernel calls.
+    # The loops share most of their kernels; with XLA's kernel cache the GPU compiler builds each
+    # once (LLVM and ptxas per kernel) instead of once per loop: three H200 loops took 92 s without
+    # it, 53 s with it, and the compiler reported the same bytes and kernel calls.
     cache = tmp_path_factory.mktemp("gpu_kernels") / "kernels"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_kernel_cache_file={cache}".strip())
-        return {name: clover_jax.plan(config, name, context_length=256, batch=2, compile=True, formats=formats)
+        return {name: {weights: clover_jax.plan(config, name, context_length=256, batch=2, compile=True,
+                                                formats=[weights], modes=modes)
+                       for weights, modes in formats.items()}
                 for name, formats in COMPILED.items()}
 
 
 @pytest.mark.parametrize("name", ["v5e-4", "H200x2"])
-def test_plan_compiles_the_three_loops_for_the_target_and_the_compiler_decides(compiled_plans, name):
+def test_plan_compiles_the_loops_for_the_target_and_the_compiler_decides(compiled_plans, name):
     from clover_jax.parallel.planner import HEADROOM
 
-    plan = compiled_plans[name]
-    assert [option.weights for option in plan.options] == [BF16, "int8 experts", INT4, INT4 + " + dense"]
-    for option in plan.options:
-        if option.weights not in COMPILED[name]:
-            assert option.compiled is None  # not asked for: the arithmetic's verdict stands
-            continue
-        assert set(option.compiled) == {"diffusion", "autoregressive", "self_speculative"}
-        for mode, memory in option.compiled.items():
-            assert memory.error is None, (option.weights, mode, memory.error)
-            # the Pallas kernels (GDN; grouped expert matmuls) are in the compiled program, not only lowered
-            assert memory.kernel_calls >= 2, (option.weights, mode, memory.kernel_calls)
-            # the weights are arguments: the compiler holds at least the arithmetic's exact bytes per device
-            assert memory.argument_bytes >= option.weight_bytes > 0
-            assert memory.total_bytes == (memory.argument_bytes + memory.temp_bytes + memory.output_bytes
-                                          - memory.alias_bytes)
-        assert option.fits == (option.compiled_bytes <= HEADROOM * option.device_bytes)
-    assert plan.recommendation is plan.options[0]
-    assert "by the compiler" in plan.reason and "compiled" in str(plan)
+    assert "autoregressive" in COMPILED["v5e-4"][BF16] and "self_speculative" in COMPILED["v5e-4"][BF16]
+    for weights, plan in compiled_plans[name].items():
+        assert [option.weights for option in plan.options] == [BF16, "int8 experts", INT4, INT4 + " + dense"]
+        for option in plan.options:
+            if option.weights != weights:
+                assert option.compiled is None  # not asked for: the arithmetic's verdict stands
+                continue
+            assert set(option.compiled) == set(COMPILED[name][weights])
+            for mode, memory in option.compiled.items():
+                assert memory.error is None, (option.weights, mode, memory.error)
+                # the Pallas kernels (GDN; grouped expert matmuls) are in the compiled program, not only lowered
+                assert memory.kernel_calls >= 2, (option.weights, mode, memory.kernel_calls)
+                # the weights are arguments: the compiler holds at least the arithmetic's exact bytes per device
+                assert memory.argument_bytes >= option.weight_bytes > 0
+                assert memory.total_bytes == (memory.argument_bytes + memory.temp_bytes + memory.output_bytes
+                                              - memory.alias_bytes)
+            assert option.fits == (option.compiled_bytes <= HEADROOM * option.device_bytes)
+        assert plan.recommendation is plan.options[0] and "compiled" in str(plan)
+        # bfloat16's fit decided by the compiler; a plan compiling int4 alone keeps the arithmetic's verdict on it
+        assert ("by the compiler" in plan.reason) == (weights == BF16), plan.reason
 
 
 def test_quantised_experts_need_no_more_temporaries_than_bfloat16(compiled_plans):
     """The quantised experts are read in place (dequantised per tile inside the kernel): no loop of
     the int4 format holds a dequantised copy of an expert stack among its temporaries."""
-    options = {option.weights: option for option in compiled_plans["v5e-4"].options}
-    for mode, memory in options[INT4].compiled.items():
-        assert memory.temp_bytes <= 1.1 * options[BF16].compiled[mode].temp_bytes, mode
+    plans = compiled_plans["v5e-4"]
+    int4, bf16 = plans[INT4].options[2], plans[BF16].options[0]
+    assert (int4.weights, bf16.weights) == (INT4, BF16) and int4.compiled
+    for mode, memory in int4.compiled.items():
+        assert memory.temp_bytes <= 1.1 * bf16.compiled[mode].temp_bytes, mode
 
 
 def test_a_format_the_compiler_refuses_is_reported_and_never_recommended():
