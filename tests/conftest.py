@@ -53,35 +53,36 @@ def free_compiled_programs():
     gc.collect()
 
 
-# Seconds each of the longest test files took on one of 2 CI workers (junit testcase times summed per
-# file, setup of its module fixtures included), longest first. `make test` hands whole files to the
+# Seconds each of the longest test files took on one of 2 workers (junit testcase times summed per
+# file, setup of its module fixtures included; a clean-clone run of December 2026, the three files cut
+# since then scaled by their measured cut), longest first. `make test` hands whole files to the
 # workers (--dist loadfile --no-loadscope-reorder) in this order, then the rest in collection order:
 # longest-processing-time-first, so that no long file starts late and runs alone while the other
-# worker idles (simulated on the 2-worker schedule from the junit times: 1708 s with the previous,
-# stale list; 1599 s with this table, the sum of all files being 3194 s, i.e. 1597 s per worker).
+# worker idles (simulated on the 2-worker schedule from the junit times: 1943 s, the sum of all
+# files being 3876 s, i.e. 1938 s per worker).
 # Re-measure when a file's time changes by tens of seconds or a new long file is added: a missing
 # one runs in collection order, i.e. late.
 LONGEST_FIRST_SECONDS = {
-    "tests/clover_jax/parallel/test_sharding.py": 216,
-    "tests/clover_jax/parallel/test_compile_targets.py": 204,
-    "tests/decoding/test_schedules.py": 195,
-    "tests/training/test_finetune.py": 167,
-    "tests/pallas_kernels/test_compile.py": 159,
-    "tests/decoding/test_generate.py": 158,
-    "tests/training/test_sharded_training.py": 149,
-    "tests/clover_jax/api/serving/test_server.py": 140,
-    "tests/decoding/test_engine.py": 110,
-    "tests/clover_jax/nn/test_long_context.py": 99,
-    "tests/test_soak.py": 87,
-    "tests/training/test_lora.py": 86,
-    "tests/training/test_loss.py": 84,
-    "tests/decoding/test_speculative.py": 80,
-    "tests/clover_jax/nn/test_block_mode.py": 79,
-    "tests/clover_jax/parallel/test_train_compile.py": 78,
-    "tests/clover_jax/api/test_cli.py": 73,
-    "tests/test_notebooks.py": 72,
-    "tests/clover_jax/api/serving/test_openai_conformance.py": 72,
-    "tests/decoding/test_engine_mesh.py": 66,
+    "tests/clover_jax/parallel/test_sharding.py": 242,
+    "tests/training/test_sharded_training.py": 230,
+    "tests/clover_jax/parallel/test_compile_targets.py": 218,
+    "tests/decoding/test_schedules.py": 205,
+    "tests/decoding/test_generate.py": 201,
+    "tests/clover_jax/api/serving/test_server.py": 182,
+    "tests/training/test_finetune.py": 162,
+    "tests/decoding/test_engine.py": 134,
+    "tests/clover_jax/nn/test_long_context.py": 120,
+    "tests/training/test_lora.py": 116,
+    "tests/training/test_loss.py": 112,
+    "tests/clover_jax/parallel/test_train_compile.py": 112,
+    "tests/test_soak.py": 111,
+    "tests/clover_jax/nn/test_block_mode.py": 108,
+    "tests/pallas_kernels/test_compile.py": 108,
+    "tests/decoding/test_engine_mesh.py": 106,
+    "tests/clover_jax/api/serving/test_openai_conformance.py": 105,
+    "tests/decoding/test_speculative.py": 100,
+    "tests/clover_jax/api/test_cli.py": 91,
+    "tests/test_notebooks.py": 85,
 }
 LONGEST_FIRST = tuple(sorted(LONGEST_FIRST_SECONDS, key=LONGEST_FIRST_SECONDS.get, reverse=True))
 
