@@ -142,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_GRID})")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
-    serve.add_argument("--precompile", action="store_true",
-                       help="before the port opens, compile every mode at every --block-sizes for every batch up to "
-                            "--max-running and cache size up to --max-context, so that no request waits on a "
-                            "compile (logs the program count and time; docs/serving.md)")
+    serve.add_argument("--precompile", nargs="?", const="all", default=None, metavar="MODE,MODE,...",
+                       help="before the port opens, compile the served modes (all three, or those named: "
+                            "diffusion, autoregressive, self_speculative) at every --block-sizes for every batch up "
+                            "to --max-running and cache size up to --max-context, so that no request in them waits "
+                            "on a compile (logs the program count and time; docs/serving.md)")
     serve.add_argument("--log-requests", action="store_true",
                        help="log one line per request: method, path, status, seconds, request id")
     serve.set_defaults(run=run_serve)

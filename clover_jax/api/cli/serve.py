@@ -40,6 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--block-sizes must be integers separated by commas, got {args.block_sizes!r}") from None
         if not sizes or min(sizes) < 1:
             raise UsageError(f"--block-sizes must be integers >= 1, got {args.block_sizes!r}")
+    modes = precompiled_modes(args.precompile)
     path = resolve_model_dir(args.model, args.revision)
     name = args.served_model_name or args.model or BUNDLED_MODEL.name
     from clover_jax.core.config import CloverConfig
@@ -59,8 +60,8 @@ def run_serve(args: argparse.Namespace) -> int:
                             quantize=placement.quantize, adapter=args.adapter, mesh=placement.mesh_shape,
                             prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
                             prefix_cache_grid=args.prefix_cache_grid)
-    if args.precompile:
-        done = precompile(service)
+    if modes:
+        done = precompile(service, modes=modes)
         print(f"clover-jax serve: precompiled {done.programs} programs in {done.seconds:.1f} s ({done.covers})",
               file=sys.stderr)
     elif not args.no_warmup:
@@ -79,3 +80,18 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(service, args.host, args.port, args.api_key, args.max_body_bytes, body_timeout=args.body_timeout,
           max_connections=args.max_connections, log_requests=args.log_requests)
     return 0
+
+
+def precompiled_modes(value: str | None) -> tuple[str, ...]:
+    """The modes `--precompile` names ("all": every mode; None: no precompile)."""
+    from decoding.modes import MODES
+
+    if value is None:
+        return ()
+    if value == "all":
+        return MODES
+    modes = tuple(mode.strip() for mode in value.split(","))
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise UsageError(f"--precompile takes modes among {', '.join(MODES)} separated by commas, got {value!r}")
+    return tuple(dict.fromkeys(modes))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -75,12 +76,12 @@ def warm_up(service: Service) -> float:
     return time.perf_counter() - started
 
 
-def precompile(service: Service, *, sample: bool = True):
-    """Compile, before the port opens, the programs of every mode at the served block sizes for
-    every lane size up to `max_running` and cache bucket up to the engine's context
+def precompile(service: Service, *, modes: Sequence[str] | None = None, sample: bool = True):
+    """Compile, before the port opens, the programs of `modes` (default: every mode) at the served
+    block sizes for every lane size up to `max_running` and cache bucket up to the engine's context
     (`Engine.precompile`); returns its `Precompiled` (program count, seconds). Requests outside
     that set compile on demand, logged with their shape."""
-    return service.engine.precompile(block_sizes=service.block_sizes, sample=sample)
+    return service.engine.precompile(modes, block_sizes=service.block_sizes, sample=sample)
 
 
 def serve(service: Service, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

@@ -128,6 +128,7 @@ def test_generate_autoregressive_without_thinking(checkpoint):
     (["serve", "--quantize", "int4-gx"], 2, "--quantize: quantize='int4-gx'"),
     (["serve", "--body-timeout", "0"], 2, "--body-timeout must be > 0 seconds"),
     (["serve", "--prefix-cache-grid", "0"], 2, "--prefix-cache-grid must be >= 1, got 0"),
+    (["serve", "--precompile", "diffusion,fastest"], 2, "--precompile takes modes among diffusion, autoregressive"),
 ])
 def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, message):
     if "--model" not in args and "--revision" not in args and args[0] == "generate":
@@ -137,6 +138,18 @@ def test_errors_are_one_line_with_a_nonzero_status(checkpoint, args, status, mes
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert result.stdout == ""
+
+
+def test_precompile_names_the_served_modes():
+    """`serve --precompile` alone compiles every mode; with a list, those (the server's set; an
+    unknown mode is refused before loading, above)."""
+    from clover_jax.api.cli.serve import precompiled_modes
+    from decoding.modes import MODES
+
+    assert precompiled_modes(None) == ()
+    assert precompiled_modes("all") == MODES == ("diffusion", "autoregressive", "self_speculative")
+    assert precompiled_modes("diffusion") == ("diffusion",)
+    assert precompiled_modes("self_speculative, diffusion,diffusion") == ("self_speculative", "diffusion")
 
 
 def test_info_counts_every_checkpoint_tensor_and_estimates_memory(checkpoint):
