@@ -300,15 +300,37 @@ def write_word_tokenizer(directory: str, vocab_size: int, special: list[int]) ->
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{special[0]}"}, handle)
 
 
+def measure_medium(args) -> dict:
+    """The medium random model, written to a temporary directory with a word-level tokenizer."""
+    from benchmarks.forward_cost import MEDIUM
+
+    workdir = tempfile.mkdtemp(prefix="clover-bench-serving-http-")
+    try:
+        vocab = MEDIUM["vocab_size"]
+        paths = write_random_checkpoint(workdir, MEDIUM, seed=0, clover=True, mask_token_id=vocab - 1)
+        write_word_tokenizer(paths["clover"], vocab, special=[MEDIUM["eos_token_id"], vocab - 1])
+        result = measure("medium random model", paths["clover"], "medium-random",
+                         random_requests(args.medium_requests, vocab, args.prompt, args.new), args.rounds, args.new,
+                         not args.no_engine)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["config"] = {k: MEDIUM[k] for k in ("hidden_size", "num_hidden_layers", "num_experts",
+                                               "num_experts_per_tok", "vocab_size")}
+    return result
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32, help="requests per run on the bundled model")
-    parser.add_argument("--medium-requests", type=int, default=16, help="requests per run on the medium model")
+    parser.add_argument("--medium-requests", type=int, default=32,
+                        help="requests per run on the medium model (two per client: one wave of 16 leaves slots idle "
+                             "while the lane waits for its slowest request)")
     parser.add_argument("--prompt", type=int, default=64, help="longest random prompt (medium model)")
     parser.add_argument("--new", type=int, default=32, help="max_tokens of every request")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine's run")
-    parser.add_argument("--medium-only", action="store_true", help="skip the bundled model")
+    parser.add_argument("--models", nargs="+", choices=("bundled", "medium"), default=["bundled", "medium"],
+                        help="which models to measure, in this order (--quick: bundled)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the bundled model only, few requests")
     parser.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)  # the server's subprocess
     for flag in ("--name", "--port", "--max-queue", "--block-size"):
@@ -318,28 +340,16 @@ def main(argv=None) -> None:
         serve_child(args.serve, args.name, int(args.port), int(args.max_queue), int(args.block_size))
         return
     if args.quick:
-        args.rounds, args.requests = 1, 8
-
-    from benchmarks.forward_cost import MEDIUM
+        args.rounds, args.requests, args.models = 1, 8, ["bundled"]
 
     models = {}
-    if not args.medium_only:
-        models["bundled"] = measure("bundled tiny Clover", BUNDLED_DIR, "tiny-clover",
-                                    bundled_requests(args.requests, args.new), args.rounds, args.new,
-                                    not args.no_engine)
-    if not args.quick:
-        workdir = tempfile.mkdtemp(prefix="clover-bench-serving-http-")
-        try:
-            vocab = MEDIUM["vocab_size"]
-            paths = write_random_checkpoint(workdir, MEDIUM, seed=0, clover=True, mask_token_id=vocab - 1)
-            write_word_tokenizer(paths["clover"], vocab, special=[MEDIUM["eos_token_id"], vocab - 1])
-            models["medium"] = measure("medium random model", paths["clover"], "medium-random",
-                                       random_requests(args.medium_requests, vocab, args.prompt, args.new),
-                                       args.rounds, args.new, not args.no_engine)
-            models["medium"]["config"] = {k: MEDIUM[k] for k in ("hidden_size", "num_hidden_layers", "num_experts",
-                                                                 "num_experts_per_tok", "vocab_size")}
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+    for which in args.models:
+        if which == "bundled":
+            models["bundled"] = measure("bundled tiny Clover", BUNDLED_DIR, "tiny-clover",
+                                        bundled_requests(args.requests, args.new), args.rounds, args.new,
+                                        not args.no_engine)
+        else:
+            models["medium"] = measure_medium(args)
     checks = []
     if "medium" in models:
         result = models["medium"]
