@@ -35,7 +35,7 @@ figure is reported.
 Tokens: the completions response carries text, not ids. Each response's text is compared with
 `generate`'s tokens for that request decoded by the same tokenizer (special tokens skipped, as the
 server does). The bundled model ships its tokenizer. The medium random checkpoint has none, so one
-is written beside it: a word-level vocabulary with one distinct word per id (`t0` ... `t32767`),
+is written beside it: a word-level vocabulary with one distinct word per id (`<0>` ... `<32767>`),
 decoded joined by spaces, the end-of-text and mask ids special; its text therefore names every
 token, and equal text is equal tokens. The fraction of requests whose text is equal is reported,
 not enforced: on the medium model a float32 near-tie between two candidate tokens can fall either
@@ -288,16 +288,17 @@ def measure(label: str, model_dir: str, name: str, requests, rounds: int, max_to
 
 
 def write_word_tokenizer(directory: str, vocab_size: int, special: list[int]) -> None:
-    """A tokenizer for a random checkpoint: one word `t<id>` per id, decoded joined by spaces, the
-    `special` ids special (skipped when decoding)."""
+    """A tokenizer for a random checkpoint: one word `<id>` per id, decoded joined by spaces, the
+    `special` ids special (skipped when decoding). The brackets keep one word from matching inside
+    another (special words are matched anywhere in a text)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens([AddedToken(f"t{i}", special=True) for i in special])
+    tokenizer.add_special_tokens([AddedToken(f"<{i}>", special=True) for i in special])
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{special[0]}"}, handle)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"<{special[0]}>"}, handle)
 
 
 def measure_medium(args) -> dict:
