@@ -127,7 +127,7 @@ def render_serving(j: dict):
 
 
 def render_serving_http(j: dict):
-    lines = [f"The server in its own process (block diffusion precompiled, prefix cache off, max_context "
+    lines = [f"The server in its own process (prefix cache off, max_context "
              f"{j['max_context']}) under {j['concurrency']} threads of the `openai` client in a closed loop "
              f"(`/v1/completions`, prompts as token ids, greedy, max_tokens {j['max_tokens']}); the same requests "
              "through `generate` one at a time and through the engine in-process; the forward's batching ceiling "
@@ -141,8 +141,8 @@ def render_serving_http(j: dict):
             rows.append([model, method, f(v["tokens_per_s"]), f(v["tokens_per_s"] / base if base else None),
                          f(equal) if method != "generate_one_at_a_time" else "—"])
         in_process = result["ratios"].get("engine_over_ceiling")
-        lines.append(f"- {model}: {result['requests']} requests; {server['programs']} programs precompiled in "
-                     f"{f(server['seconds'])} s, {server.get('compiled_on_demand')} compiled on demand; ceiling "
+        lines.append(f"- {model}: {result['requests']} requests; server: {server['log_line']}; "
+                     f"{server.get('compiled_on_demand_in_rounds')} programs compiled in the timed rounds; ceiling "
                      f"{f(result['batching_ceiling']['ceiling'])}x; through HTTP "
                      f"{f(result['ratios']['http_over_ceiling'])} of it"
                      + ("" if in_process is None else f", in-process {f(in_process)}") + ".")
