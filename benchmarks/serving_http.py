@@ -13,8 +13,8 @@ Per model (the bundled tiny Clover with its task's prompts; the medium random mo
     in-process engine's (`prefix_cache.py` measures the cache). And the precompile covers block
     diffusion only, the mode every request here uses (96 programs: every lane size up to 16 and
     cache bucket up to 128, greedy and sampled). The command line's `--precompile` covers every
-    mode, 294 programs at these settings, and on a CPU that set passes Linux's limit of 65,530
-    memory mappings per process (the precompile stops itself with that error; measured). On the
+    mode, 294 programs at these settings, more than a CPU process's 65,530 memory mappings hold
+    (measured on the bundled model: the precompile stopped itself at 52,467 mappings). On the
     medium model the diffusion set alone compiled for over 27 minutes on 2 shared cores without
     finishing (2026-12-06); `--no-precompile` serves after the command line's default warm-up
     request instead, and the untimed warm-up run compiles what the rounds need (the programs
