@@ -4,6 +4,7 @@ summary table of the headline figures and ratios, one table per benchmark, and e
 full JSON output.
 
 Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time),
+serving_http.py (the server in a subprocess under 16 `openai` clients, against the same baseline),
 prefix_cache.py (an agent's growing transcript with and without the engine's prefix cache), soak.py
 (one server under a thousand mixed requests: memory, leftovers, errors), training.py, lora.py (LoRA
 and QLoRA against full fine-tuning)
@@ -44,8 +45,8 @@ from benchmarks.sections import RENDER, TITLES, bound_text, f, table  # noqa: E4
 
 setup_environment()
 
-SCRIPTS = ["decoding", "serving", "prefix_cache", "soak", "training", "lora", "forward_cost", "expert_scaling",
-           "context_scaling", "compile",
+SCRIPTS = ["decoding", "serving", "serving_http", "prefix_cache", "soak", "training", "lora", "forward_cost",
+           "expert_scaling", "context_scaling", "compile",
            "moe_scaling", "load", "load_orbax", "roofline", "compile_targets", "train_compile"]
 QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
                                                                                    "--repetitions", "1"]}

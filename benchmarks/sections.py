@@ -126,6 +126,33 @@ def render_serving(j: dict):
     return lines, summary
 
 
+def render_serving_http(j: dict):
+    lines = [f"The server in its own process (prefix cache off, max_context "
+             f"{j['max_context']}) under {j['concurrency']} threads of the `openai` client in a closed loop "
+             f"(`/v1/completions`, prompts as token ids, greedy, max_tokens {j['max_tokens']}); the same requests "
+             "through `generate` one at a time and through the engine in-process; the forward's batching ceiling "
+             f"measured in the same run; {j['rounds']} rounds, medians.", ""]
+    rows, summary = [], []
+    for model, result in j["models"].items():
+        base = result["results"]["generate_one_at_a_time"]["tokens_per_s"]
+        server = result["server"]
+        for method, v in result["results"].items():
+            equal = v.get("text_equal_to_generate_alone", v.get("equal_to_generate_alone"))
+            rows.append([model, method, f(v["tokens_per_s"]), f(v["tokens_per_s"] / base if base else None),
+                         f(equal) if method != "generate_one_at_a_time" else "—"])
+        in_process = result["ratios"].get("engine_over_ceiling")
+        lines.append(f"- {model}: {result['requests']} requests; server: {server['log_line']}; "
+                     f"{server.get('compiled_on_demand_in_rounds')} programs compiled in the timed rounds; ceiling "
+                     f"{f(result['batching_ceiling']['ceiling'])}x; through HTTP "
+                     f"{f(result['ratios']['http_over_ceiling'])} of it"
+                     + ("" if in_process is None else f", in-process {f(in_process)}") + ".")
+        summary.append(["serving_http", f"{model}: HTTP gain at concurrency 16 / the forward's batching ceiling",
+                        f(result["ratios"]["http_over_ceiling"])])
+    lines.append("")
+    lines += table(["model", "method", "tokens/s", "× one at a time", "responses equal to generate alone"], rows)
+    return lines, summary
+
+
 def render_prefix_cache(j: dict):
     lines = [f"An agent's conversation on the random model ({', '.join(f'{k} {v}' for k, v in j['config'].items())}): "
              f"turn 1's prompt {j['base']} tokens, each later turn adding {j['step']} (the previous reply and a tool "
@@ -401,7 +428,8 @@ def render_lora(j: dict):
     return lines, [["lora", f"{r['method']}: held-out exact match", f(r["full_match"])] for r in j["results"]]
 
 
-RENDER = {"decoding": render_decoding, "serving": render_serving, "prefix_cache": render_prefix_cache,
+RENDER = {"decoding": render_decoding, "serving": render_serving, "serving_http": render_serving_http,
+          "prefix_cache": render_prefix_cache,
           "training": render_training,
           "soak": render_soak, "lora": render_lora,
           "forward_cost": render_forward_cost,
@@ -413,6 +441,8 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
                       "(`benchmarks/decoding.py`)",
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
                      "(`benchmarks/serving.py`)",
+          "serving_http": "Serving through HTTP: the server under 16 `openai` clients vs `generate` one at a time "
+                          "(`benchmarks/serving_http.py`)",
           "prefix_cache": "Prefix cache: an agent's growing transcript with and without it "
                           "(`benchmarks/prefix_cache.py`)",
           "training": "Training: the one-pass objective vs one block per example (`benchmarks/training.py`)",
