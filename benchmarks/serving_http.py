@@ -4,23 +4,22 @@ against the same requests through `generate` one at a time and the forward's own
 Per model (the bundled tiny Clover with its task's prompts; the medium random model of
 `forward_cost.py` with random prompts, as in `benchmarks/serving.py`), in one run:
 
-  * the server in a subprocess on a free 127.0.0.1 port: the code `clover-jax serve --precompile
-    --max-running 16 --max-context 128 --block-sizes B` runs (`build_service`, `Engine.precompile`,
-    `serve`: the same uvicorn app; B: the checkpoint's block size; its other settings the
-    defaults), with two differences. The prefix cache is off (`--prefix-cache-gb 0`): every method
-    runs the same requests more than once (a warm-up, then rounds), and the cache would answer the
+  * the server in a subprocess on a free 127.0.0.1 port: `clover-jax serve --precompile diffusion
+    --max-running 16 --max-context 128 --block-sizes B --prefix-cache-gb 0` (B: the checkpoint's
+    block size; its other settings the defaults). The precompile names block diffusion, the mode
+    every request here uses (88 programs on the bundled model: every lane size up to 16 and cache bucket up to 128,
+    greedy and sampled); every mode (`--precompile` alone) is 294 programs at these settings, more
+    than a CPU process's 65,530 memory mappings hold (measured on the bundled model: the
+    precompile stopped itself at 52,467 mappings). The prefix cache is off: every method runs the
+    same requests more than once (a warm-up, then rounds), and the cache would answer the
     repeats' prompts from the earlier runs, a different computation from `generate`'s and the
-    in-process engine's (`prefix_cache.py` measures the cache). And the precompile covers block
-    diffusion only, the mode every request here uses (96 programs: every lane size up to 16 and
-    cache bucket up to 128, greedy and sampled). The command line's `--precompile` covers every
-    mode, 294 programs at these settings, more than a CPU process's 65,530 memory mappings hold
-    (measured on the bundled model: the precompile stopped itself at 52,467 mappings). On the
-    medium model the diffusion set alone compiled for over 27 minutes on 2 shared cores without
-    finishing (2026-12-06); `--no-precompile` serves after the command line's default warm-up
-    request instead, and the untimed warm-up run compiles what the rounds need (the programs
-    compiled during the timed rounds are counted from the server's log either way). The port
-    opens after the precompile, so `/health` answering means it finished; the program count and
-    seconds are read from the server's log;
+    in-process engine's (`prefix_cache.py` measures the cache). On the medium model the diffusion
+    set compiled for over 27 minutes on 2 shared cores without finishing (2026-12-06);
+    `--no-precompile` serves after the command line's default warm-up request instead (the same
+    code with the engine's on-demand log turned on), and the untimed warm-up run compiles what the
+    rounds need (the programs compiled during the timed rounds are counted from the server's log
+    either way). The port opens after the precompile, so `/health` answering means it finished;
+    the program count and seconds are read from the server's log;
   * 16 client threads sharing one `openai.OpenAI` client in a closed loop: each sends its next
     `/v1/completions` request the moment its previous one is answered. The prompt is sent as a
     list of token ids (the completions endpoint takes them as they are), greedy (`temperature`
@@ -90,10 +89,11 @@ def free_port() -> int:
 
 
 def serve_child(model_dir: str, name: str, port: int, max_queue: int, block_size: int, precompile: bool) -> None:
-    """What `clover-jax serve --precompile` runs (`clover_jax.api.cli.serve`), its precompile
-    narrowed to block diffusion; serves until SIGTERM. Without `precompile`, the default warm-up
-    request instead, and every program compiled after it is logged as if nothing was precompiled
-    (a `Precompiled` of 0 programs turns the engine's on-demand log on)."""
+    """What `clover-jax serve` runs (`clover_jax.api.cli.serve`) with the settings of the command
+    in `Server`; serves until SIGTERM. Without `precompile` (`--no-precompile`; with it `Server`
+    runs the command line itself), the default warm-up request, and every program compiled after
+    it is logged as if nothing was precompiled (a `Precompiled` of 0 programs turns the engine's
+    on-demand log on)."""
     import logging
 
     from clover_jax.api.serving.server import build_service, serve, warm_up
@@ -118,9 +118,15 @@ class Server:
     def __init__(self, model_dir: str, name: str, block_size: int, max_queue: int, precompile: bool = True,
                  timeout: float = 3600.0):
         self.port, self.name, self.timeout = free_port(), name, timeout
-        self.command = [sys.executable, os.path.abspath(__file__), "--serve", model_dir, "--name", name,
-                        "--port", str(self.port), "--max-queue", str(max_queue), "--block-size", str(block_size)]
-        self.command += [] if precompile else ["--no-precompile"]
+        if precompile:  # the command line itself
+            self.command = [sys.executable, "-m", "clover_jax.api.cli", "serve", "--model", model_dir,
+                            "--served-model-name", name, "--port", str(self.port), "--max-running", str(CONCURRENCY),
+                            "--max-queue", str(max_queue), "--max-context", str(MAX_CONTEXT),
+                            "--block-sizes", str(block_size), "--prefix-cache-gb", "0", "--precompile", "diffusion"]
+        else:
+            self.command = [sys.executable, os.path.abspath(__file__), "--serve", model_dir, "--name", name,
+                            "--port", str(self.port), "--max-queue", str(max_queue), "--block-size", str(block_size),
+                            "--no-precompile"]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="clover-bench-serve-", suffix=".log", delete=False)
         self.process: subprocess.Popen | None = None
