@@ -133,8 +133,13 @@ class Lane:
         size = self.size
         if self.live + len(joins) > size:
             size = min(power_of_two(self.live + len(joins)), self.context.max_slots)
-        if (size, capacity) != (self.size, self.capacity):
-            self._reshape(size, capacity)
+        if capacity != self.capacity:
+            self._reshape(self.size, capacity)
+        while self.size < size:
+            # One doubling at a time, each a resize the precompiled set holds (`Engine.precompile`
+            # grows lanes by joining requests one by one): a jump, e.g. 1 -> 8 slots as seven requests
+            # join a lane of one, would be a program of its own, compiled while the requests wait.
+            self._reshape(min(2 * self.size, size), capacity)
         free = [slot for slot, occupant in enumerate(self.occupants) if occupant is None][:len(joins)]
         # padded to a power of two with the last join repeated (the same entry into the same slot)
         padded = power_of_two(len(joins))

@@ -11,7 +11,8 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
 * the lane programs — the step (greedy and sampled where the mode samples; a diffusion step with
   and without a block's commit), the join (`put_slots`) and the resize (`take_slots`) — compiled by
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
-  bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane),
+  bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane;
+  a lane grows one doubling at a time whatever number joins at once, `Lane.add`, so these are all its growths),
   then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
   requests hold (a burst meeting a busy lane joins with another program; `busy_joins`: with them
   every lane size meets every joining count its joins can pad to, `max_running` a power of two or
