@@ -74,6 +74,41 @@ def test_batched_requests_equal_each_request_alone(engine, model, controls_confi
     assert engine.running() == 0
 
 
+def test_a_burst_joining_a_busy_lane_grows_it_one_doubling_at_a_time(engine, model, controls_config, monkeypatch):
+    """Three requests joining a lane that one request holds, in one write: the lane grows 1 -> 2 -> 4
+    slots, each a growth that requests joining one by one make (the precompiled set), never 1 -> 4
+    (a resize program of its own, which a closed loop of clients met after the precompile); the
+    requests decode as alone."""
+    from decoding.engine import lanes
+
+    growths, joins = [], []
+    reshape, add = lanes.Lane._reshape, lanes.Lane.add
+
+    def recording_reshape(self, size, capacity):
+        if size > self.size:
+            growths.append((self.size, size))
+        reshape(self, size, capacity)
+
+    def recording_add(self, joining):
+        joins.append(len(joining))
+        add(self, joining)
+
+    monkeypatch.setattr(lanes.Lane, "_reshape", recording_reshape)
+    monkeypatch.setattr(lanes.Lane, "add", recording_add)
+    long = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 48, "dllm_length_penalty": 0.0}, seed=2)
+    burst = [EngineRequest(prompt) for prompt in PROMPTS[:3]]
+    started = threading.Event()
+    handle = engine.submit(long, lambda event: started.set())
+    started.wait(600)
+    results = engine.run(burst, timeout=600)
+    handle.cancel()
+    assert joins[:2] == [1, 3] and growths == [(1, 2), (2, 4)], (joins, growths)
+    for request, result in zip(burst, results, strict=True):
+        tokens, nfe, steps = alone(model, controls_config, request)
+        assert (result.error, result.tokens, result.stats.nfe, result.stats.steps_per_block) == (
+            None, tokens, nfe, steps)
+
+
 def test_steady_traffic_never_recompiles(engine):
     """Prompts of other lengths in the same buckets, other controls, schedules and seeds: no new program."""
     def traffic(offset: int):
