@@ -141,8 +141,11 @@ class Lane:
             # join a lane of one, would be a program of its own, compiled while the requests wait.
             self._reshape(min(2 * self.size, size), capacity)
         free = [slot for slot, occupant in enumerate(self.occupants) if occupant is None][:len(joins)]
-        # padded to a power of two with the last join repeated (the same entry into the same slot)
-        padded = power_of_two(len(joins))
+        # padded to a power of two with the last join repeated (the same entry into the same slot); one
+        # request joining a lane of several slots joins as two: the precompile's bursts and busy joins
+        # meet every lane size with two joining, but its one-by-one joins (one joining) fill only the
+        # lanes its requests outlast (short ones finish first), so a lone join could compile on demand
+        padded = power_of_two(len(joins)) if self.size == 1 else max(2, power_of_two(len(joins)))
         indices = np.array(free + [free[-1]] * (padded - len(joins)), np.int32)
         treedef, leaves, on_host = stack_entries(entries + [entries[-1]] * (padded - len(joins)))
         self.slots = put_slots(self.slots, indices, treedef, leaves, on_host)

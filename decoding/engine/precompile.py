@@ -258,14 +258,20 @@ def on_demand(engine, what: str, lane=None):
     if engine.precompiled is None:
         yield
         return
-    before, started = compiled_programs(), time.perf_counter()
+    before, started = _programs_by_function(), time.perf_counter()
     yield
-    new = compiled_programs() - before
+    grown = {name: count - before[name] for name, count in _programs_by_function().items() if count > before[name]}
+    new = sum(grown.values())
     if new:
         engine.compiled_on_demand += new
-        logger.warning("compiled %d program(s) on demand in %.1f s, outside the precompiled set: %s", new,
-                       time.perf_counter() - started,
+        logger.warning("compiled %d program(s) on demand in %.1f s (%s), outside the precompiled set: %s", new,
+                       time.perf_counter() - started, ", ".join(f"{name} x{count}" for name, count in grown.items()),
                        what if lane is None else f"{what}, lane of {lane.size} slots x {lane.capacity} rows")
+
+
+def _programs_by_function() -> dict[str, int]:
+    """{jitted function's name: programs it holds} for the engine's functions (`PROGRAMS`)."""
+    return {program.__name__: program._cache_size() for program in PROGRAMS}
 
 
 def _unit(key: LaneKey) -> int:
