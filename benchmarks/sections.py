@@ -355,13 +355,15 @@ def render_train_compile(j: dict):
     lines = [f"{j['model']}: the whole train step (both streams, complementary copy on, block size 32; loss, "
              "backward, AdamW) compiled from this CPU host by each target's compiler with abstract sharded "
              "arguments, on the planner's mesh and remat. GiB per chip, from `memory_analysis()`; \"max tokens\": "
-             "the longest sequence tried whose step fits.", ""]
+             "the longest sequence tried whose step fits; \"host\": host memory per chip (a LoRA base's layers "
+             "offloaded there, `offload_base`).", ""]
     lines += table(["row", "target", "run", "batch x tokens", "mesh (d,e,t)", "remat", "arguments", "temporaries",
-                    "total", "of chip", "fits", "max tokens", "compile s"],
+                    "total", "of chip", "host", "fits", "max tokens", "compile s"],
                    [[r["row"], r["target"], r["run"], f"{r['batch']} x {r['seq_len']}",
                      ",".join(str(v) for v in r["mesh"].values()), r["remat"], gib(r["argument_bytes"]),
                      gib(r["temp_bytes"]), gib(r["total_bytes"]),
-                     "refused" if r["error"] else f"{100 * r['total_bytes'] / r['device_bytes']:.0f}%", f(r["fits"]),
+                     "refused" if r["error"] else f"{100 * r['total_bytes'] / r['device_bytes']:.0f}%",
+                     gib(r["host_bytes"]) if r.get("host_bytes") else "—", f(r["fits"]),
                      r["max_seq_len"] or "—", f(r["seconds"])] for r in j["rows"]])
     refused = [f"- {r['row']}: {r['error']}" for r in j["rows"] if r["error"]]
     if refused:

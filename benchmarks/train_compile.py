@@ -60,7 +60,8 @@ def row_of(name: str, plan, seconds: float) -> dict:
             "error": memory.error, "argument_bytes": memory.argument_bytes, "temp_bytes": memory.temp_bytes,
             "output_bytes": memory.output_bytes, "alias_bytes": memory.alias_bytes, "total_bytes": memory.total_bytes,
             "device_bytes": option.device_bytes, "fits": option.fits, "kernel_calls": memory.kernel_calls,
-            "estimate_bytes": option.total_bytes, "refused_temp_bytes": refused_temp_bytes(memory.error)}
+            "estimate_bytes": option.total_bytes, "refused_temp_bytes": refused_temp_bytes(memory.error),
+            "offload_base": option.offload_base, "host_bytes": memory.host_bytes}
 
 
 def refused_temp_bytes(error: str | None) -> int | None:

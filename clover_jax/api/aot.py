@@ -40,6 +40,7 @@ class ProgramMemory:
     error: str | None = None
     compile_seconds: float = 0.0
     kernel_calls: int = 0  # Pallas kernels (Mosaic on TPU, Triton on GPU) in the compiled program
+    host_bytes: int = 0  # host memory the program's arguments and temporaries take per device (offloading)
 
 
     @property

@@ -66,7 +66,8 @@ def compile_train_job(job: TrainCompileJob) -> dict[str, ProgramMemory]:
         memory = ProgramMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes,
                                analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
                                compile_seconds=time.perf_counter() - started,
-                               kernel_calls=kernel_calls(compiled.as_text()))
+                               kernel_calls=kernel_calls(compiled.as_text()),
+                               host_bytes=analysis.host_argument_size_in_bytes + analysis.host_temp_size_in_bytes)
     except Exception as error:  # the compiler's refusal is the result (RESOURCE_EXHAUSTED, Mosaic errors)
         memory = ProgramMemory(error=compiler_error(error), compile_seconds=time.perf_counter() - started)
     logger.info("train_step %s r%s seq %d on %s: %s", finetune.method, finetune.lora_rank, finetune.seq_len,

@@ -13,7 +13,10 @@ the meshes of `train_meshes` — the batch's sequences split over as many chips 
 (data x expert), all of those on the data axis first, then the experts over up to 8 of them — with
 the rest of the chips on the tensor axis. Remat: the first of `remat_choices` whose step fits (the
 config's own when `FinetuneConfig.remat` is not "none"). The first (mesh, remat) that fits is the
-plan; when none fits, the one with the fewest bytes is reported. Without `compile`, the arithmetic
+plan. When none fits a LoRA run, the planner tries its base's layers in host memory
+(`FinetuneConfig.offload_base`, remat "layer") on the same meshes; `option.offload_base` says
+which it chose, and `compiled["train_step"].host_bytes` the host memory per chip. When none fits
+at all, the one with the fewest bytes is reported. Without `compile`, the arithmetic
 counts what is exact — parameters, gradients and AdamW's moments per chip, on the first mesh —
 and no activations: only the compiler's figure decides a train step.
 """
@@ -25,6 +28,7 @@ import logging
 import math
 from typing import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
@@ -52,6 +56,8 @@ logger = logging.getLogger(__name__)
 # 10.98 GB of temporaries with "full", 6.49 GB with "layer").
 REMAT_CHOICES = ("none", "full", "layer")
 SEQ_LENS = (4096, 8192, 16384, 32768)
+# The remat of an offloaded base: each layer copies its weights in again for its own backward.
+OFFLOAD_REMAT = "layer"
 MAX_EXPERT_AXIS = 8  # the psum dispatch moves [rows, hidden] over the expert axis per MoE layer: keep it short
 
 
@@ -82,7 +88,8 @@ def describe_run(finetune: FinetuneConfig) -> str:
         return f"full {finetune.param_dtype or 'bfloat16'} + f32 AdamW"
     base = f"{finetune.quantize} base" if finetune.quantize else f"{finetune.param_dtype or 'bfloat16'} base"
     experts = "+experts" if "routed_experts" in finetune.lora_targets else ""
-    return f"{'q' if finetune.quantize else ''}lora r{finetune.lora_rank}{experts} {base}"
+    where = ", layers in host memory" if finetune.offload_base else ""
+    return f"{'q' if finetune.quantize else ''}lora r{finetune.lora_rank}{experts} {base}{where}"
 
 
 def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compile: bool = False, block_size: int = 32,
@@ -103,6 +110,15 @@ def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compil
         tried.append(_compiled(option, config, named.name, finetune, block_size, seq_lens, remat_choices))
         if tried[-1].fits:
             break
+    if not tried[-1].fits and finetune.method == "lora" and not finetune.offload_base:
+        # The base on the chips does not fit: its layers in host memory, each copied in where it runs.
+        offloaded = dataclasses.replace(finetune, offload_base=True, remat=OFFLOAD_REMAT)
+        logger.info("no mesh fits the base on the chips: trying its layers in host memory")
+        for option in meshes:
+            tried.append(_compiled(_option(config, offloaded, option, device_bytes), config, named.name, offloaded,
+                                   block_size, seq_lens, (OFFLOAD_REMAT,)))
+            if tried[-1].fits:
+                break
     return _decide(min(tried, key=_compiled_bytes), where, finetune)
 
 
@@ -113,7 +129,8 @@ def _option(config: CloverConfig, finetune: FinetuneConfig, mesh: dict, device_b
     weights, state = _arithmetic(config, finetune, mesh_sharding, mesh)
     quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
     return Option(describe_run(finetune), dict(mesh), weights, state, device_bytes,
-                  weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat)
+                  weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat,
+                  offload_base=finetune.offload_base)
 
 
 def _compiled_bytes(option: Option) -> tuple[bool, float]:
@@ -133,6 +150,9 @@ def _arithmetic(config: CloverConfig, finetune: FinetuneConfig, mesh_sharding: M
         return master, 3 * master
     quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
     base = weight_bytes_per_device(config, dtype, quantize, mesh_sharding) // data
+    if finetune.offload_base:  # on the chips: the embedding and LM head tables (the layers are in host memory)
+        tables = 1 if config.tie_word_embeddings else 2
+        base = tables * config.vocab_size * config.hidden_size * jnp.dtype(dtype).itemsize // data
     trained = _lora_parameters(config, finetune) * 4 // (data * mesh["expert"])
     return base, 4 * trained
 
@@ -192,6 +212,8 @@ def _decide(option: Option, where: str, finetune: FinetuneConfig) -> Plan:
         verdict = (f"the compiler refused it: {memory.error}" if memory.error else
                    f"{memory.total_bytes / GIB:.1f} GiB of {option.device_bytes / GIB:.1f} GiB per chip by the "
                    f"compiler (remat {option.remat})")
+        if memory.host_bytes and not memory.error:
+            verdict += f", and {memory.host_bytes / GIB:.1f} GiB of host memory per chip"
     reason = f"{option.weights}, {run}, on {where}, mesh (d,e,t) {mesh}: {verdict}"
     return Plan([option], option if option.fits else None, reason + ("" if option.fits else "; it does not fit"),
                 where)

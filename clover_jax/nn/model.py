@@ -113,6 +113,7 @@ class LayerGroup(nn.Module):
     kernels: KernelChoice = KernelChoice()
     mesh_sharding: MeshSharding | None = None
     remat_layers: bool = False  # recompute each decoder layer in the backward pass (`REMAT` "layer")
+    params_from_host: Any = None  # (slot, a layer's parameters) -> them on the chips (`CloverTransformer`)
 
     @nn.compact
     def __call__(self, carry: tuple[jax.Array, dict], group, rows: Rows, mode: PassMode, coreset_top_p):
@@ -120,13 +121,22 @@ class LayerGroup(nn.Module):
         group: this group's index. returns (the carry after the group, None)."""
         hidden, layers = carry
         layers = dict(layers)
-        # static_argnums counts `self`: 5 is `mode`
-        layer_module = nn.remat(DecoderLayer, static_argnums=(5,)) if self.remat_layers else DecoderLayer
         for slot, layer_type in enumerate(self.config.group_pattern):
             name = slot_name(slot)
+            layer_module = DecoderLayer
+            if self.params_from_host is not None:
+                # inside the remat: the backward copies the layer in again rather than keeping the copy
+                to_device = functools.partial(_to_device, self.params_from_host, name)
+                layer_module = nn.map_variables(layer_module, "params", trans_in_fn=to_device, mutable=False)
+            if self.remat_layers:  # static_argnums counts `self`: 5 is `mode`
+                layer_module = nn.remat(layer_module, static_argnums=(5,))
             layer = layer_module(self.config, layer_type, self.dtype, self.kernels, self.mesh_sharding, name=name)
             hidden, layers[name] = layer(hidden, layers[name], group, rows, mode, coreset_top_p)
         return (hidden, layers), None
+
+
+def _to_device(params_from_host, slot: str, variables: dict) -> dict:
+    return {**variables, "params": params_from_host(slot, variables["params"])}
 
 
 # The embedding's optional parameter [hidden]: the mask token's row, read instead of the table's.
@@ -169,6 +179,11 @@ class CloverTransformer(nn.Module):
     mesh_sharding: MeshSharding | None = None
     layer_loop: str = "scan"
     remat: str | bool = "none"  # what the backward pass recomputes (`REMAT`; training, scanned groups)
+    # The stacked layer parameters live in host memory ("pinned_host"): a function (slot name, one
+    # layer's parameters sliced from the stacks) -> them on the chips, which each decoder layer calls
+    # where it runs (training a LoRA over a base too large for the chips, with "layer" remat so that
+    # the backward copies a layer in again instead of keeping every layer's copy). None: on the chips.
+    params_from_host: Any = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, state: ModelState | None, num_causal: int | None = None,
@@ -228,7 +243,8 @@ class CloverTransformer(nn.Module):
                 group_module = nn.remat(LayerGroup, static_argnums=(4,), policy=policy)
             groups = nn.scan(group_module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_groups)
-            (hidden, layers), _ = groups(*group_args, remat_layers=remat == "layer", name="groups")(
+            (hidden, layers), _ = groups(*group_args, remat_layers=remat == "layer",
+                                         params_from_host=self.params_from_host, name="groups")(
                 (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
             sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None
         hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])

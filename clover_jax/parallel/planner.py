@@ -68,6 +68,7 @@ class Option:
     compiled: dict[str, Any] | None = None
     remat: str | None = None          # a train step's (`FinetuneConfig.remat`), as the plan chose it
     max_seq_len: int | None = None    # a train step's: the longest sequence the compiler fitted (of those tried)
+    offload_base: bool = False        # a LoRA train step's: its base's layers in host memory, as the plan chose
 
     @property
     def total_bytes(self) -> int:

@@ -42,7 +42,7 @@ def abstract_step(model_config: CloverConfig, config: FinetuneConfig, mesh_shard
     grad_accum_steps, seq_len, complementary, remat) for `model_config` on `mesh_sharding`'s mesh,
     with `kernels` (`clover_jax.core.kernels.KernelChoice`) as the model would run them there."""
     module = training_module(CloverTransformer(model_config, jnp.dtype(compute_dtype), kernels, mesh_sharding),
-                             remat=config.remat)
+                             remat=config.remat, offload_base=config.offload_base)
     spec = None
     settings = LossSettings(block_size=block_size, mask_token_id=model_config.mask_token_id,
                             coreset=model_config.moe_block_coreset_enabled, complementary=config.complementary,
@@ -65,7 +65,7 @@ def abstract_step(model_config: CloverConfig, config: FinetuneConfig, mesh_shard
     token = lambda dtype: jax.ShapeDtypeStruct((batch, length), dtype)
     rows = TrainRows(token(jnp.int32), token(jnp.int32), token(jnp.int32), token(jnp.bool_), token(jnp.bool_),
                      jax.ShapeDtypeStruct((batch, length // block_size), jnp.int32))
-    layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen)
+    layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen, offload_base=config.offload_base)
     replicated = layout.replicated
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     key = jax.eval_shape(lambda: jax.random.key(0))

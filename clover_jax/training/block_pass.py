@@ -19,6 +19,7 @@ import numpy as np
 from clover_jax.core.errors import FieldError
 from clover_jax.core.streams import Streams, make_streams
 from clover_jax.nn.model import CloverTransformer, Params, StreamOutput
+from clover_jax.training import train_sharding
 
 __all__ = ["block_diffusion_logits", "differentiable", "stream_pass", "training_module"]
 
@@ -35,11 +36,19 @@ def differentiable(module: CloverTransformer) -> CloverTransformer:
     return module.clone(kernels=module.kernels.for_training())
 
 
-def training_module(module: CloverTransformer, remat: str | bool = "none") -> CloverTransformer:
+def training_module(module: CloverTransformer, remat: str | bool = "none", *,
+                    offload_base: bool = False) -> CloverTransformer:
     """The module a training pass runs: differentiable experts, layer groups scanned over the
     canonical (stacked) parameters, so compile time does not grow with depth; `remat`
-    (`clover_jax.nn.model.REMAT`): what the backward pass recomputes instead of keeping."""
-    return differentiable(module).clone(layer_loop="scan", remat=remat)
+    (`clover_jax.nn.model.REMAT`): what the backward pass recomputes instead of keeping;
+    `offload_base`: the stacked layer parameters arrive in host memory and each layer copies its
+    own to the chip (`FinetuneConfig.offload_base`; needs the module's mesh)."""
+    to_device = None
+    if offload_base:
+        if module.mesh_sharding is None:
+            raise ValueError("offload_base needs a mesh: the base's memory kind is part of its sharding")
+        to_device = functools.partial(train_sharding.layer_to_device, module.mesh_sharding)
+    return differentiable(module).clone(layer_loop="scan", remat=remat, params_from_host=to_device)
 
 
 def stream_pass(module: CloverTransformer, params: Params, clean_ids: jax.Array, noisy_blocks: jax.Array,

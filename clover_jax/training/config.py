@@ -19,6 +19,7 @@ LORA_TARGETS = ("attention", "gdn", "shared_expert", "routed_experts", "router")
 QUANTIZE = ("int8", "int4")
 PARAM_DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "layer", "dots")  # as clover_jax.nn.model.REMAT (docs/training.md, "Remat")
+OFFLOAD_REMAT = ("layer", "full")  # the remats that copy an offloaded layer again in the backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FinetuneConfig:
     grad_clip: float = 1.0
     param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
     remat: str = "none"                       # what the backward recomputes: "full" (layer groups), "layer", "dots"
+    offload_base: bool = False                # LoRA: the frozen base's layers in host memory, copied in per layer
     # LoRA (method="lora"; docs/training.md, "LoRA and QLoRA") and scale
     lora_rank: int = 16
     lora_alpha: float = 32.0
@@ -177,6 +179,13 @@ def _check(config: FinetuneConfig) -> None:
     need(config.param_dtype is None or config.param_dtype in PARAM_DTYPES, "param_dtype",
          f"must be one of {PARAM_DTYPES} or None, got {config.param_dtype!r}")
     need(config.remat in REMAT, "remat", f"must be one of {REMAT}, got {config.remat!r}")
+    need(isinstance(config.offload_base, bool), "offload_base", f"must be True or False, got {config.offload_base!r}",
+         INVALID_TYPE)
+    need(not config.offload_base or config.method == "lora", "offload_base", "only a LoRA run's frozen base is "
+         "offloaded to host memory (a full fine-tuning's parameters are trained): set method='lora'", UNSUPPORTED)
+    need(not config.offload_base or config.remat in OFFLOAD_REMAT, "offload_base",
+         f"needs remat in {OFFLOAD_REMAT} (got {config.remat!r}): without recomputation the backward would keep "
+         "every layer's copy of the base on the chip", UNSUPPORTED)
     need(isinstance(config.lora_rank, int) and not isinstance(config.lora_rank, bool) and config.lora_rank > 0,
          "lora_rank", f"must be an int > 0, got {config.lora_rank!r}")
     need(isinstance(config.lora_alpha, (int, float)) and not isinstance(config.lora_alpha, bool)

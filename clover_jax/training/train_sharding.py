@@ -32,7 +32,10 @@ from clover_jax.core.params import find_param
 from clover_jax.core.quantization import QuantizedWeight, quantized_shardings
 from clover_jax.parallel.sharding import MeshSharding
 
-__all__ = ["TrainLayout", "fsdp_spec", "leaf_spec", "place", "train_layout"]
+# Where an offloaded base lives: page-locked host memory, which the chips read by DMA.
+HOST_MEMORY = "pinned_host"
+
+__all__ = ["HOST_MEMORY", "TrainLayout", "fsdp_spec", "layer_to_device", "leaf_spec", "place", "train_layout"]
 
 
 def _names(path) -> tuple[str, ...]:
@@ -121,10 +124,12 @@ def _row_axes(mesh_sharding: MeshSharding) -> tuple[str, ...]:
     return tuple(axis for axis in axes if axis is not None and mesh_sharding.axis_size(axis) > 1)
 
 
-def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any = None) -> TrainLayout:
+def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any = None, *,
+                 offload_base: bool = False) -> TrainLayout:
     """The layout of a train state (`step.TrainState`; arrays or `jax.ShapeDtypeStruct`s), a
     batch of `TrainRows` and a LoRA run's frozen base. The optimizer state's parameter-shaped
-    leaves (AdamW's moments) take their parameter's sharding; its counters are replicated."""
+    leaves (AdamW's moments) take their parameter's sharding; its counters are replicated.
+    `offload_base`: the base's stacked layers (`groups`) in host memory, same split."""
     from clover_jax.training.step import TrainState
 
     replicated = NamedSharding(mesh_sharding.mesh, PartitionSpec())
@@ -147,7 +152,44 @@ def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any
                                                                             *(None,) * (leaf.ndim - 1)))
     layout_state = TrainState(replicated, params, opt_state)
     layout_frozen = None if frozen is None else tree_shardings(mesh_sharding, frozen)
+    if offload_base and layout_frozen is not None:
+        layout_frozen = {name: _in_host_memory(frozen[name], tree) if name == "groups" else tree
+                         for name, tree in layout_frozen.items()}
     return TrainLayout(mesh_sharding, layout_state, layout_frozen, jax.tree_util.tree_map(row_spec, rows))
+
+
+def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dict:
+    """One decoder layer's parameters as a pass runs them (the scan's slices of the stacks, LoRA
+    factors beside them) with every base parameter copied to device memory in the split it has in
+    host memory (`tree_shardings`; a no-op for those already on the chips). Naming the split keeps the
+    copy a shard's: left open, the compiler gathers an FSDP-split weight in host memory and copies
+    all of it, for every layer."""
+    prefix = ("groups", slot)
+
+    def one(path, leaf):
+        names = prefix + _names(path)
+        if find_param(names) is None:  # a LoRA factor (trained, on the chips already)
+            return leaf
+        stacked = jax.tree_util.tree_map(lambda part: jax.ShapeDtypeStruct((1,) + part.shape, part.dtype), leaf)
+        sharding = tree_shardings(mesh_sharding, stacked, prefix=names)
+        return jax.tree_util.tree_map(
+            lambda part, placed: jax.device_put(part, NamedSharding(placed.mesh, PartitionSpec(*placed.spec[1:]),
+                                                                    memory_kind="device")), leaf, sharding)
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+
+
+def _in_host_memory(stacks: Any, shardings: Any) -> Any:
+    """The shardings of the stacked matrices ([groups, ..., rows, columns], rows a multiple of 8) in
+    host memory. The rest — vectors per layer ([groups, dim]: norms, decay rates) and single-row
+    matrices (the shared expert's gate [groups, 1, hidden]) — stays on the chips: a TPU copies host
+    memory in whole tiles of packed rows (8 rows hold any packing down to int4; "Sublane slicing
+    size must be multiple of element packing factor" otherwise), and they are kilobytes."""
+    def one(leaf, sharding):
+        offloaded = len(leaf.shape) >= 3 and leaf.shape[-2] % 8 == 0
+        return sharding.with_memory_kind(HOST_MEMORY) if offloaded else sharding
+
+    return jax.tree_util.tree_map(one, stacks, shardings)
 
 
 def _leaf_shape(tree: Any, names: tuple[str, ...]):

@@ -103,7 +103,8 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
     if target.grown_vocab:
         params = conversion.grow_vocabulary(params, model.config, target.grown_vocab)
     mesh_sharding = None if mesh is None else training_mesh_sharding(mesh, target.config)
-    module = training_module(model.module.clone(config=target.config, mesh_sharding=mesh_sharding), remat=config.remat)
+    module = training_module(model.module.clone(config=target.config, mesh_sharding=mesh_sharding), remat=config.remat,
+                             offload_base=config.offload_base)
     compute_dtype = config.param_dtype or str(model.dtype)
     spec, frozen, trained = None, None, params
     if config.method == "lora":
@@ -118,7 +119,8 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
     layout = None
     if mesh_sharding is not None:
         example_rows = _example_rows(packings[sizes[0]], config, sizes[0])
-        layout = train_sharding.train_layout(mesh_sharding, state, example_rows, frozen)
+        layout = train_sharding.train_layout(mesh_sharding, state, example_rows, frozen,
+                                             offload_base=config.offload_base)
         state = train_sharding.place(state, layout.state)
         frozen = None if frozen is None else train_sharding.place(frozen, layout.frozen)
         logger.info("training on the mesh %s", dict(mesh.shape))
@@ -237,12 +239,13 @@ def _train(state, batches: BatchIterator, programs: dict, *, config: FinetuneCon
 
 # ---------------------------------------------------------------------- before the loop
 def training_mesh(config: FinetuneConfig):
-    """The (data, expert, tensor) mesh of `config.mesh` over all devices of the run, or None;
+    """The (data, expert, tensor) mesh of `config.mesh` over all devices of the run, or None (one
+    device; with `offload_base`, a mesh of the first device: the base's memory kind is a sharding's);
     FieldError when the sizes do not multiply to the device count."""
     from clover_jax.parallel.sharding import make_mesh
 
     if config.mesh is None:
-        return None
+        return make_mesh(1, 1, 1, devices=jax.devices()[:1]) if config.offload_base else None
     try:
         return make_mesh(*config.mesh)
     except ValueError as error:

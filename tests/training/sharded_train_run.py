@@ -59,8 +59,10 @@ class Batches:
         return Batch(BLOCK, batch_rows(step))
 
 
-def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True) -> tuple[dict, dict]:
-    """(arrays, mesh axes) of one run: on one device (`mesh_sizes` None) or on a mesh."""
+def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True,
+        offload: bool = False) -> tuple[dict, dict]:
+    """(arrays, mesh axes) of one run: on one device (`mesh_sizes` None) or on a mesh; `offload`:
+    the LoRA base's layers in host memory (with "layer" remat, as `offload_base` needs)."""
     import jax
 
     from clover_jax.training import lora as lora_params, train_sharding, trainer
@@ -70,10 +72,12 @@ def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True) ->
 
     config = FinetuneConfig(method="lora" if lora else "full", steps=max(steps, 1), batch_size=BATCH, seq_len=LENGTH,
                             block_size=BLOCK, learning_rate=1e-3, warmup_steps=0, log_every=1, mesh=mesh_sizes,
-                            lora_targets=("attention", "gdn", "shared_expert", "routed_experts"))
+                            lora_targets=("attention", "gdn", "shared_expert", "routed_experts"),
+                            offload_base=offload, remat="layer" if offload else "none")
     mesh = trainer.training_mesh(config)
     mesh_sharding = None if mesh is None else trainer.training_mesh_sharding(mesh, model.config)
-    module = training_module(model.module.clone(mesh_sharding=mesh_sharding))
+    module = training_module(model.module.clone(mesh_sharding=mesh_sharding), remat=config.remat,
+                             offload_base=config.offload_base)
     # a copy: the step donates the state, and every run starts from the model's parameters
     spec, frozen, trained = None, None, jax.tree_util.tree_map(np.array, model.params)
     if lora:
@@ -93,7 +97,7 @@ def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True) ->
     layout = None
     gradient_step = jax.jit(functools.partial(batch_gradients, program=program))
     if mesh_sharding is not None:
-        layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen)
+        layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen, offload_base=offload)
         state = train_sharding.place(state, layout.state)
         frozen = None if frozen is None else train_sharding.place(frozen, layout.frozen)
         replicated = layout.replicated
@@ -123,6 +127,9 @@ def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True) ->
         for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]:
             spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
             axes[jax.tree_util.keystr(path)] = [list(a) if isinstance(a, tuple) else a for a in spec]
+        if frozen is not None:
+            axes["frozen memory"] = {jax.tree_util.keystr(path): leaf.sharding.memory_kind
+                                     for path, leaf in jax.tree_util.tree_flatten_with_path(frozen)[0]}
     return arrays, axes
 
 
@@ -139,7 +146,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--run", action="append", required=True,
                         help="'one' or data,expert,tensor; +lora: a LoRA run; +curve: also --steps steps; "
-                             "+nograds: no gradients at the first state")
+                             "+nograds: no gradients at the first state; +offload: the LoRA base in host memory")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--process", type=int, default=0)
     parser.add_argument("--processes", type=int, default=1)
@@ -161,7 +168,7 @@ def main() -> None:
         where, *options = name.split("+")
         sizes = None if where == "one" else tuple(map(int, where.split(",")))
         result, axes[name] = run(model, sizes, lora="lora" in options, steps=args.steps if "curve" in options else 0,
-                                 gradients="nograds" not in options)
+                                 gradients="nograds" not in options, offload="offload" in options)
         arrays.update({f"{name}|{key}": value for key, value in result.items()})
     out = args.out if args.processes == 1 else f"{args.out}.{args.process}"
     np.savez(out + ".npz", **arrays)

@@ -29,6 +29,8 @@ from clover_jax.training import FinetuneConfig
     ("lora_rank", 0, "invalid_value"),
     ("lora_targets", ("attention", "mlp"), "invalid_value"),
     ("generation_config", [1], "invalid_type"),
+    ("offload_base", "yes", "invalid_type"),
+    ("offload_base", True, "unsupported_value"),    # method "full": its parameters are trained
 ])
 def test_a_bad_field_is_refused_naming_it(field, value, code):
     values = {"block_size": 32} if field == "seq_len" else {}
@@ -36,6 +38,14 @@ def test_a_bad_field_is_refused_naming_it(field, value, code):
         FinetuneConfig(**{**values, field: value})
     assert caught.value.field == field and caught.value.code == code
     assert f"FinetuneConfig.{field}" in str(caught.value)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_an_offloaded_base_needs_a_remat_that_copies_each_layer_again(remat):
+    with pytest.raises(FieldError, match="would keep every layer's copy") as caught:
+        FinetuneConfig(method="lora", offload_base=True, remat=remat)
+    assert caught.value.field == "offload_base"
+    assert FinetuneConfig(method="lora", offload_base=True, remat="layer").offload_base
 
 
 def test_defaults_follow_the_complementary_copy():

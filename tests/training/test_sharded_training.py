@@ -22,7 +22,9 @@ from tests.training import sharded_train_run
 SCRIPT = sharded_train_run.__file__
 MESHES = ["1,8,1", "2,2,2", "4,2,1"]
 # Each run compiles its programs once; the loop (three steps) runs on one device and on (2,2,2) only.
-RUNS = ["one+curve", "one+lora", "1,8,1", "2,2,2+curve", "4,2,1", "2,2,2+lora"]
+# The LoRA run on the mesh keeps its base's layers in host memory (`offload_base`, with "layer" remat):
+# the same gradients as one device with neither.
+RUNS = ["one+curve", "one+lora", "1,8,1", "2,2,2+curve", "4,2,1", "2,2,2+lora+offload"]
 
 
 def _environment(devices: int) -> dict:
@@ -69,13 +71,19 @@ def test_the_loss_and_every_gradient_on_a_mesh_equal_one_device(runs, mesh):
 
 def test_a_lora_run_on_a_mesh_has_one_devices_gradients(runs):
     results, axes = runs
-    assert_same_gradients(results["2,2,2+lora"], results["one+lora"])
+    assert_same_gradients(results["2,2,2+lora+offload"], results["one+lora"])
     assert any("lora" in name and "experts_gate_up_proj" in name for name in results["one+lora"])
     # an adapter follows its weight: an expert's B over the expert axis, and FSDP over data
-    lora_axes = axes["2,2,2+lora"]
+    lora_axes = axes["2,2,2+lora+offload"]
     b = next(axes for name, axes in lora_axes.items() if name.startswith("[0]['lora']")
              and "experts_gate_up_proj" in name and name.endswith("['b']"))
     assert b[1] == "expert" and "data" in b
+    # offloaded: the stacked matrices in host memory, the per-layer vectors and the tables on the chips
+    memory = lora_axes["frozen memory"]
+    assert memory["['groups']['layer_0']['mlp']['experts_gate_up_proj']"] == "pinned_host"
+    assert memory["['groups']['layer_0']['linear_attn']['in_proj_qkv']['weight']"] == "pinned_host"
+    assert memory["['groups']['layer_0']['input_layernorm']['weight']"] == "device"
+    assert memory["['embed_tokens']['embedding']"] == "device"
 
 
 def test_the_trainers_loop_on_a_mesh_follows_one_devices_loss_curve(runs):

@@ -61,7 +61,8 @@ def _finetune_config(args: argparse.Namespace):
     return FinetuneConfig(method=args.method, lora_rank=args.lora_rank, quantize=args.quantize,
                           lora_targets=tuple(name.strip() for name in args.lora_targets.split(",") if name.strip()),
                           batch_size=args.batch, seq_len=args.seq_len, block_size=args.block_size,
-                          remat=args.remat or "none")
+                          remat=args.remat or ("layer" if args.offload_base else "none"),
+                          offload_base=args.offload_base)
 
 
 def plan_record(result) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def plan_record(result) -> dict[str, Any]:
                   "mesh": option.mesh, "weight_bytes": option.weight_bytes, "state_bytes": option.state_bytes,
                   "estimate_bytes": option.total_bytes, "device_bytes": option.device_bytes, "fits": option.fits}
         if option.remat is not None:  # a train step's
-            record.update(remat=option.remat, max_seq_len=option.max_seq_len)
+            record.update(remat=option.remat, max_seq_len=option.max_seq_len, offload_base=option.offload_base)
         if option.compiled is not None:
             record["compiled"] = {mode: {**dataclasses.asdict(memory), "total_bytes": memory.total_bytes}
                                   for mode, memory in option.compiled.items()}

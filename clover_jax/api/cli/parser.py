@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     trained.add_argument("--block-size", type=int_arg, default=32, metavar="B", help="(default 32)")
     trained.add_argument("--remat", default=None, metavar="CHOICE",
                          help="none, full, layer or dots (default: the planner's choice)")
+    trained.add_argument("--offload-base", action="store_true",
+                         help="LoRA: the frozen base's layers in host memory, each copied to the chips where it runs "
+                              "(remat layer; default: tried by the planner when nothing else fits)")
     plan.set_defaults(run=run_plan)
     train.add_parser(commands)
     return parser

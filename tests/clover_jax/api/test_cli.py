@@ -203,6 +203,10 @@ def test_plan_of_a_training_run_prints_the_api_plan(checkpoint):
     assert option["mesh"] == expected.options[0].mesh == {"data": 4, "expert": 1, "tensor": 1}
     assert option["weight_bytes"] == expected.options[0].weight_bytes and option["remat"] == "none"
     assert option["weights"] == "qlora r8 int4 base" and record["reason"] == expected.reason
+    assert option["offload_base"] is False
+    offloaded = json.loads(run_cli("plan", checkpoint, "--target", "v5e-4", *flags, "--offload-base", "--json").stdout)
+    assert offloaded["options"][0]["offload_base"] and offloaded["options"][0]["remat"] == "layer"
+    assert offloaded["options"][0]["weights"] == "qlora r8 int4 base, layers in host memory"
     bad = run_cli("plan", checkpoint, "--target", "v5e-4", "--task", "train", "--method", "full", "--quantize", "int4")
     assert bad.returncode != 0 and "quantize" in bad.stderr
 

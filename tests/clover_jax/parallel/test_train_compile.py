@@ -84,9 +84,9 @@ def test_a_plan_without_the_compiler_counts_parameters_and_optimizer_state():
         clover_jax.plan(config, "v5p-64", task="bake")
 
 
-def test_the_planner_tries_data_first_then_experts_and_reports_the_smallest_when_none_fits(monkeypatch):
-    """The order of meshes and remats the planner compiles, and which it reports, with the compiler's
-    answers given (each compile here would take minutes at Clover-35B's size)."""
+def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(monkeypatch):
+    """The order of meshes, remats and base placements the planner compiles, and which it reports,
+    with the compiler's answers given (each compile here would take minutes at Clover-35B's size)."""
     import clover_jax
     from clover_jax.api import train_plan
     from clover_jax.api.aot import ProgramMemory
@@ -108,10 +108,11 @@ def test_the_planner_tries_data_first_then_experts_and_reports_the_smallest_when
         def compile_in_subprocess(jobs):
             (job,) = jobs
             key = (job.mesh["data"], job.finetune["remat"], job.finetune["seq_len"])
+            key += ("host",) if job.finetune["offload_base"] else ()
             compiled.append(key)
             gb = table.get(key)
             memory = ProgramMemory(error="RESOURCE_EXHAUSTED: out of memory") if gb is None else \
-                ProgramMemory(int(gb * 1e9), 0, 0, 0)
+                ProgramMemory(int(gb * 1e9), 0, 0, 0, host_bytes=int(8.6e9) if "host" in key else 0)
             return [{"train_step": memory}]
 
         monkeypatch.setattr(train_plan, "compile_in_subprocess", compile_in_subprocess)
@@ -126,11 +127,29 @@ def test_the_planner_tries_data_first_then_experts_and_reports_the_smallest_when
     assert plan.recommendation is option and option.mesh["data"] == 8 and option.remat == "layer"
     assert option.max_seq_len == 8192
 
+    # nothing fits with the base on the chips: its layers in host memory, remat "layer", mesh by mesh
+    on_chips = [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096),
+                (1, "none", 4096), (1, "full", 4096), (1, "layer", 4096)]
+    compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110,
+                        (8, "layer", 4096, "host"): 60})
+    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
+    assert compiled == on_chips + [(8, "layer", 4096, "host")]
+    (option,) = plan.options
+    assert plan.recommendation is option and option.offload_base and option.remat == "layer"
+    assert "layers in host memory" in option.weights and "8.0 GiB of host memory per chip" in plan.reason
+    # on the chips by arithmetic: the embedding's and the LM head's share, not the layers'
+    assert option.weight_bytes == 2 * config.vocab_size * config.hidden_size * 2 // 8
+
+    # and when that does not fit either, the smallest of all is reported
     compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110})
     plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
-    assert compiled == [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096),
-                        (1, "none", 4096), (1, "full", 4096), (1, "layer", 4096)]
+    assert compiled == on_chips + [(8, "layer", 4096, "host"), (1, "layer", 4096, "host")]
     (option,) = plan.options
     assert plan.recommendation is None and "does not fit" in plan.reason
     assert option.mesh == {"data": 1, "expert": 8, "tensor": 1} and option.remat == "layer"
-    assert option.compiled["train_step"].total_bytes == 110e9
+    assert option.compiled["train_step"].total_bytes == 110e9 and not option.offload_base
+    # a full fine-tuning trains its parameters: nothing is offloaded
+    compiled = answers({})
+    clover_jax.plan(config, "H200x8", task="train", config=dataclasses.replace(run, method="full"), compile=True,
+                    seq_lens=())
+    assert not any("host" in key for key in compiled)
