@@ -161,9 +161,10 @@ def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any
 def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dict:
     """One decoder layer's parameters as a pass runs them (the scan's slices of the stacks, LoRA
     factors beside them) with every base parameter copied to device memory in the split it has in
-    host memory (`tree_shardings`; a no-op for those already on the chips). Naming the split keeps the
-    copy a shard's: left open, the compiler gathers an FSDP-split weight in host memory and copies
-    all of it, for every layer."""
+    host memory (`tree_shardings`; a no-op for those already on the chips), behind an optimization
+    barrier. Without the barrier the TPU compiler moved the FSDP all-gather of the expert stacks
+    before the copy, into host memory (1.5 GiB of host temporaries per layer and a whole gathered
+    stack copied in: 8 layers at 4,096 tokens on v5e-8, 17.43 -> 15.57 GiB per chip with it)."""
     prefix = ("groups", slot)
 
     def one(path, leaf):
@@ -176,7 +177,8 @@ def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dic
             lambda part, placed: jax.device_put(part, NamedSharding(placed.mesh, PartitionSpec(*placed.spec[1:]),
                                                                     memory_kind="device")), leaf, sharding)
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+    copied = jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+    return jax.lax.optimization_barrier(copied)
 
 
 def _in_host_memory(stacks: Any, shardings: Any) -> Any:
