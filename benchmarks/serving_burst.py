@@ -11,7 +11,7 @@ then time, each over distinct prompts:
   * the same kind of requests one by one (16 in turn, each waiting for the last).
 
 The context is 128 positions (buckets 64 and 128: the bundled requests need 64 rows): at 512 the
-set was 184 programs (208 now), whose machine code on a CPU passed Linux's 65,530 memory mappings per process
+set was 184 programs (192 now), whose machine code on a CPU passed Linux's 65,530 memory mappings per process
 and crashed XLA half an hour in (`decoding.engine.precompile.check_mapping_headroom` now stops
 before that).
 

@@ -7,8 +7,8 @@ Per model (the bundled tiny Clover with its task's prompts; the medium random mo
   * the server in a subprocess on a free 127.0.0.1 port: `clover-jax serve --precompile diffusion
     --max-running 16 --max-context 128 --block-sizes B --prefix-cache-gb 0` (B: the checkpoint's
     block size; its other settings the defaults). The precompile names block diffusion, the mode
-    every request here uses (88 programs on the bundled model: every lane size up to 16 and cache bucket up to 128,
-    greedy and sampled); every mode (`--precompile` alone) is 294 programs at these settings, more
+    every request here uses (92 programs on the bundled model: every lane size up to 16 and cache bucket up to 128,
+    greedy and sampled); every mode (`--precompile` alone) is 279 programs at these settings, more
     than a CPU process's 65,530 memory mappings hold (measured on the bundled model: the
     precompile stopped itself at 52,467 mappings). The prefix cache is off: every method runs the
     same requests more than once (a warm-up, then rounds), and the cache would answer the

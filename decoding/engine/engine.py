@@ -96,6 +96,12 @@ class Handle:
     def number(self) -> int:
         return self._tracked.number
 
+    @property
+    def joined(self) -> bool:
+        """Whether the request has joined its lane (its prompt prefilled, a slot written); the
+        lane steps right after, before any request submitted from now on joins."""
+        return self._tracked.lane is not None
+
     def cancel(self) -> None:
         self._engine.cancel(self)
 

@@ -142,10 +142,9 @@ class Lane:
             self._reshape(min(2 * self.size, size), capacity)
         free = [slot for slot, occupant in enumerate(self.occupants) if occupant is None][:len(joins)]
         # padded to a power of two with the last join repeated (the same entry into the same slot); one
-        # request joining a lane of several slots joins as two: the precompile's bursts and busy joins
-        # meet every lane size with two joining, but its one-by-one joins (one joining) fill only the
-        # lanes its requests outlast (short ones finish first), so a lone join could compile on demand
-        padded = power_of_two(len(joins)) if self.size == 1 else max(2, power_of_two(len(joins)))
+        # request joining a lane of several slots joins as two (`padded_joins`), so that a lone join
+        # shares the program of two joining, which the precompile's bursts and busy joins compile anyway
+        padded = padded_joins(self.size, len(joins))
         indices = np.array(free + [free[-1]] * (padded - len(joins)), np.int32)
         treedef, leaves, on_host = stack_entries(entries + [entries[-1]] * (padded - len(joins)))
         self.slots = put_slots(self.slots, indices, treedef, leaves, on_host)
@@ -169,7 +168,7 @@ class Lane:
         live = self.requests()
         if not live:
             return
-        size = self.size // 2 if self.size >= SHRINK_FROM and len(live) <= self.size // 4 else self.size
+        size = shrunk(self.size) if self.size >= SHRINK_FROM and len(live) <= self.size // 4 else self.size
         needed = self.rows_for(max(t.rows for t in live))
         capacity = needed if needed <= self.capacity // 4 else self.capacity
         if (size, capacity) != (self.size, self.capacity):
@@ -311,6 +310,18 @@ def prefix_length(key: LaneKey, prompt_length: int) -> int:
 def power_of_two(count: int) -> int:
     """The lane size `count` requests grow a lane to (before the cap at `max_slots`)."""
     return 1 << max(count - 1, 0).bit_length()
+
+
+def padded_joins(size: int, joining: int) -> int:
+    """The entries `Lane.add` writes for `joining` requests into a lane of `size` slots (after any
+    growth): their count padded to a power of two, and at least two in a lane of several slots."""
+    return power_of_two(joining) if size == 1 else max(2, power_of_two(joining))
+
+
+def shrunk(size: int) -> int:
+    """The size a lane of `size` slots halves to (`Lane.fit`): a power of two, so that a lane of a
+    `max_slots` that is none (e.g. 12 -> 8) shrinks to a lane size the precompiled set steps."""
+    return power_of_two(size // 2)
 
 
 def new_staging(context: ModelContext, capacity: int, padding: int) -> ModelState:

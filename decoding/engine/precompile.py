@@ -13,13 +13,18 @@ block size), every cache bucket up to the engine's context (`slots.capacity_buck
   warm-up traffic through the engine itself, so they are exactly the programs requests meet: per
   bucket, requests joining one by one until the lane holds `max_running` (each doubling of the lane;
   a lane grows one doubling at a time whatever number joins at once, `Lane.add`, so these are all its growths),
-  then bursts of 1, 2, 4, ... requests arriving together, then such bursts into a lane that earlier
-  requests hold (a burst meeting a busy lane joins with another program; `busy_joins`: with them
-  every lane size meets every joining count its joins can pad to, `max_running` a power of two or
-  not). Each warm-up request is cancelled once its lane has stepped (a diffusion request once its
-  first block is out and committed). A join's program depends on the lane's shape and the joining count alone (the
-  entries come padded to the lane's rows, `slots.at_rows`), so requests of one bucket cover the
-  joins of requests of any smaller buckets into that lane.
+  then all but a few of them cancelled (the full lane halving, `lane_shrinks`), then bursts of 1, 2,
+  4, ... requests arriving together, then such bursts into a lane that earlier requests hold (a
+  burst meeting a busy lane joins with another program; `busy_joins`: with them every lane size
+  meets every joining count its joins can pad to, `max_running` a power of two or not);
+  `join_shapes` and `lane_resizes` count them. The requests joining one by one and into busy lanes
+  decode one token per step and each joins once the last has joined, so that all of them are live
+  when the next joins (at the default threshold the short requests of the 64-row bucket finished
+  within a few steps: the lanes of 8 and 16 slots never saw their joins, which then compiled under
+  serving load). Each warm-up request is cancelled once its lane has stepped (a burst's diffusion
+  request once its first block is out and committed). A join's program depends on the lane's shape
+  and the joining count alone (the entries come padded to the lane's rows, `slots.at_rows`), so
+  requests of one bucket cover the joins of requests of any smaller buckets into that lane.
 
 Patterns outside that (a lane whose rows grow or shrink between buckets under live requests: a
 resize from one bucket to another) compile their small program on demand; the engine logs every
@@ -46,7 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from decoding.engine import autoregressive_lane, diffusion_lane, slots, speculative_lane
-from decoding.engine.lanes import new_staging, power_of_two, prefix_length
+from decoding.engine.lanes import SHRINK_FROM, new_staging, padded_joins, prefix_length, shrunk
 from decoding.engine.requests import EngineRequest, LaneKey, rows_needed
 from decoding.modes import Mode, strategy
 
@@ -191,9 +196,8 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
                      chunk_size: int, sample: bool = True) -> dict[str, int]:
     """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
     (the count depends on the shapes only, never on the model's size): steps (diffusion: with and
-    without a commit; greedy and sampled where the mode samples), joins and resizes (2 x lane
-    sizes - 1 of each per bucket: one request joining each size, a burst filling each; and per
-    bucket `busy_joins`' joins and the resizes they add), prefill chunks (one per chunk length and
+    without a commit; greedy and sampled where the mode samples), joins (per bucket one per
+    `join_shapes`) and resizes (per bucket `lane_resizes`), prefill chunks (one per chunk length and
     bucket: a prompt's first chunk and a later one share it; shared by lane kinds of one unit),
     empty staging states and paddings (a staging state of each bucket to each larger bucket;
     shared by lane kinds)."""
@@ -209,8 +213,8 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
             caps = buckets(max_context + (0 if decoder.whole_blocks else UNIT))
             variants = (2 if decoder.whole_blocks else 1) * (2 if sample and mode != Mode.SELF_SPECULATIVE else 1)
             counts["steps"] += len(caps) * sizes * variants
-            counts["joins"] += len(caps) * (2 * sizes - 1 + len(busy_joins(max_running)))
-            counts["resizes"] += len(caps) * (2 * sizes - 1 + len(_busy_resizes(max_running)))
+            counts["joins"] += len(caps) * len(join_shapes(max_running))
+            counts["resizes"] += len(caps) * lane_resizes(max_running)
             staging.update(caps)
             paddings.update(itertools.combinations(caps, 2))
             chunk = max(unit, chunk_size // unit * unit)
@@ -220,6 +224,34 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     counts.update(prefills=len(prefills), staging=len(staging), paddings=len(paddings))
     counts["total"] = sum(counts.values())
     return counts
+
+
+def join_shapes(max_running: int) -> set[tuple[int, int]]:
+    """(lane size, entries written: `lanes.padded_joins`) of the joins the warm-up traffic sends per
+    bucket, one `put_slots` program each: one by one (one joining each size), the bursts (a fresh
+    lane of each size) and `busy_joins`."""
+    sizes = lane_sizes(max_running)
+    shapes = {(size, padded_joins(size, 1)) for size in sizes} | {(size, padded_joins(size, size)) for size in sizes}
+    return shapes | {(size, padded_joins(size, joining)) for size, _, joining in busy_joins(max_running)}
+
+
+def lane_resizes(max_running: int) -> int:
+    """`take_slots` programs of the warm-up traffic per bucket: a fresh lane of each size made from
+    one entry (whose NumPy leaves make it another program than a lane's), each growth to the next
+    size (a lane grows one doubling at a time, `Lane.add`, so busy joins grow by these too) and
+    each shrink (`lane_shrinks`)."""
+    sizes = len(lane_sizes(max_running))
+    return sizes + (sizes - 1) + len(lane_shrinks(max_running))
+
+
+def lane_shrinks(max_running: int) -> list[tuple[int, int]]:
+    """(size, size it halves to) of a full lane whose requests all but a few finish (`Lane.fit`:
+    from `SHRINK_FROM` slots up)."""
+    shrinks, size = [], max_running
+    while size >= SHRINK_FROM:
+        shrinks.append((size, shrunk(size)))
+        size = shrunk(size)
+    return shrinks
 
 
 def busy_joins(max_running: int) -> list[tuple[int, int, int]]:
@@ -240,15 +272,6 @@ def busy_joins(max_running: int) -> list[tuple[int, int, int]]:
             patterns.append((size, size - (count // 2 + 1), count // 2 + 1))
             count *= 2
     return patterns
-
-
-def _busy_resizes(max_running: int) -> set[tuple[int, int]]:
-    """Resizes `busy_joins` adds: a lane that its live requests grew to (a power of two) growing to a
-    size, where that lane is not the size before it (one-by-one's; a burst's fresh lane is made
-    from one request's entry, whose NumPy leaves make it another program than a lane of one slot)."""
-    sizes = lane_sizes(max_running)
-    grown = {(min(power_of_two(live), max_running), size) for size, live, _ in busy_joins(max_running)}
-    return {(start, size) for start, size in grown if start != sizes[sizes.index(size) - 1]}
 
 
 @contextlib.contextmanager
@@ -340,24 +363,68 @@ class _Traffic:
         padding = (-prefix_length(self.key, len(prepared.prompt))) % self.unit
         return padding + rows_needed(len(prepared.prompt), prepared.config, prepared.mode)
 
-    def _request(self, max_new_tokens: int, sampled: bool, variant: int = 0) -> EngineRequest:
+    def _request(self, max_new_tokens: int, sampled: bool, variant: int = 0, slow: bool = False) -> EngineRequest:
         prompt = self.prompt[:-1] + [self.plain[variant % len(self.plain)]]
         overrides = {"max_new_tokens": max_new_tokens, "dllm_length_penalty": 0.0, "do_sample": sampled}
         if self.key.block_size:
             overrides["block_size"] = self.key.block_size
         if sampled:
             overrides["temperature"] = 1.0
+        if slow and strategy(self.key.mode).whole_blocks:
+            # one token per step (the schedule is data, not a program): the request lives for about
+            # max_new_tokens steps, longer than the joins after it take, so the lane holds every request
+            # a pattern joins (at the default threshold the bucket's short requests finished within a few
+            # steps, and the lanes of 8 and 16 slots never saw the joins meant for them)
+            overrides.update(schedule="fixed_k", tokens_per_step=1)
         return EngineRequest(prompt, self.key.mode, overrides=overrides)
 
+    def _join_one(self, index: int) -> tuple:
+        """Submit one slow request and return (handle, listener) once it has joined its lane (the
+        lane steps before the next request joins)."""
+        wait = _Wait(1)
+        handle = self.engine.submit(self._request(self.max_new_tokens, False, index, slow=True), wait)
+        self._until_joined([handle], [wait])
+        return handle, wait
+
+    def _until_joined(self, handles, waits) -> None:
+        """Wait until every request has joined its lane or finished (a failed prefill or join)."""
+        self._until(lambda: all(handle.joined or wait.finished.is_set()
+                                for handle, wait in zip(handles, waits, strict=True)), "a warm-up request to join")
+
+    def _until(self, condition, what: str) -> None:
+        """Poll `condition` (engine state no event reports) until it holds; TimeoutError after `timeout`."""
+        deadline = time.monotonic() + self.timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout} s for {what}")
+            time.sleep(0.001)
+
     def one_by_one(self) -> None:
-        """Requests joining one at a time, each after the last has stepped, up to `max_running`."""
+        """Requests joining one at a time, each after the last has joined (and its lane stepped), up
+        to `max_running`; then the full lane shrinking (`shrink`)."""
         handles, waits = [], []
         for index in range(self.engine.max_running):
-            wait = _Wait(1)
-            handles.append(self.engine.submit(self._request(self.max_new_tokens, False, index), wait))
+            handle, wait = self._join_one(index)
+            handles.append(handle)
             waits.append(wait)
-            wait.until(self.timeout)
+        self.shrink(handles, waits)
         self._end(handles, waits)
+
+    def shrink(self, handles, waits) -> None:
+        """Cancel all but the last `SHRINK_FROM // 4` requests of the full lane: it halves at each of
+        its next steps (`Lane.fit`) until it is smaller than `SHRINK_FROM` (`lane_shrinks`), as a lane
+        does when most of its requests finish."""
+        if self.engine.max_running < SHRINK_FROM:
+            return
+        kept = max(1, SHRINK_FROM // 4)
+        for handle in handles[:-kept]:
+            handle.cancel()
+        def shrunk_below() -> bool:
+            # read on this thread while the engine's thread resizes the lane: a stale read only polls again
+            lane = self.engine._lanes.get(self.key)
+            return lane is None or lane.size < SHRINK_FROM or all(wait.finished.is_set() for wait in waits[-kept:])
+
+        self._until(shrunk_below, "the warm-up lane to shrink")
 
     def burst(self, size: int, sampled: bool) -> None:
         """`size` requests arriving together; in diffusion each waits for its second block, so that
@@ -371,18 +438,17 @@ class _Traffic:
 
     def joins_into(self, size: int, live: int, joining: int) -> None:
         """`joining` requests arriving together into a lane of `size` slots that `live` requests
-        hold (they join one by one first): one of `busy_joins`' patterns (a burst meeting a busy lane)."""
+        hold (they join one by one first): one of `busy_joins`' patterns (a burst meeting a busy lane).
+        Every request is slow (`_request`): the `live` ones are all still decoding when the others join."""
         handles, waits = [], []
         for index in range(live):
-            wait = _Wait(1)
-            handles.append(self.engine.submit(self._request(self.max_new_tokens, False, index), wait))
+            handle, wait = self._join_one(index)
+            handles.append(handle)
             waits.append(wait)
-            wait.until(self.timeout)
         group = [_Wait(1) for _ in range(joining)]
-        joined = self.engine.submit_all([self._request(self.max_new_tokens, False, live + index)
+        joined = self.engine.submit_all([self._request(self.max_new_tokens, False, live + index, slow=True)
                                          for index in range(joining)], group)
-        for wait in group:
-            wait.until(self.timeout)
+        self._until_joined(joined, group)
         self._end(joined + handles, group + waits)
 
     def _end(self, handles, waits) -> None:

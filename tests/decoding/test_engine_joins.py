@@ -126,3 +126,25 @@ def test_precompile_sends_every_joining_count_each_lane_size_can_meet(max_runnin
         assert (lane.size, lane.live) == (size, live + joining)
         sent.add((lane.size, 1 << (joining - 1).bit_length()))
     assert sent == reachable
+
+
+def test_a_lane_of_a_max_running_no_power_of_two_shrinks_to_lane_sizes_the_precompile_steps():
+    """A full lane of 12 slots that all but two requests leave halves to 8 slots, then 4
+    (`lanes.shrunk`): the shrinks `precompile.lane_shrinks` warms, into lane sizes whose steps the
+    set holds (it halved to 6 slots, a size no precompiled step had)."""
+    from decoding.engine import precompile
+
+    context = ModelContext(None, None, VOCAB, None, frozenset(), False, np.float32(0.9), max_slots=12)
+    lane = _Lane(context, key=None, max_context=MAX_CONTEXT)
+    joins = [_join(10, number) for number in range(12)]
+    for join in joins:
+        lane.add([join])  # one by one: 1, 2, 4, 8, 12 slots
+    for tracked, _, _ in joins[:-2]:
+        lane.remove(tracked)
+    sizes = []
+    for _ in range(3):  # one halving per step, none below SHRINK_FROM
+        lane.fit()
+        sizes.append(lane.size)
+    assert sizes == [8, 4, 4] and precompile.lane_shrinks(12) == [(12, 8), (8, 4)]
+    assert {size for _, size in precompile.lane_shrinks(12)} <= set(precompile.lane_sizes(12))
+    assert [tracked.number for tracked in lane.requests()] == [10, 11]

@@ -22,8 +22,8 @@ def test_after_precompile_the_set_compiles_nothing_and_the_rest_is_logged(model,
         done = engine.precompile(["diffusion"], [8], sample=False)
         planned = precompile.planned_programs(modes=["diffusion"], block_sizes=[8], max_running=2, max_context=128,
                                               chunk_size=model.chunk_size, sample=False)
-        # in a fresh process exactly the plan (30, measured); fewer where earlier tests compiled some of them
-        assert done.programs <= planned["total"] == 30 and planned["paddings"] == 1 and done.seconds > 0
+        # in a fresh process exactly the plan; fewer where earlier tests compiled some of them
+        assert done.programs <= planned["total"] == 28 and planned["paddings"] == 1 and done.seconds > 0
         before = precompile.compiled_programs()
         # one at a time, then together: prompts of several lengths, other controls and schedules
         traffic = [EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[2], overrides={"schedule": "fixed_k"}),
