@@ -52,6 +52,10 @@ def fingerprint(params) -> str:
     sums = jax.jit(lambda leaf: jnp.stack([jnp.sum(leaf.astype(jnp.float32)),
                                            jnp.sum(jnp.square(leaf.astype(jnp.float32)))]))
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        placed = getattr(leaf, "sharding", None)
+        # an offloaded base (`offload_base`) is summed on the chips, one leaf at a time
+        if getattr(placed, "memory_kind", None) == "pinned_host":
+            leaf = jax.device_put(leaf, placed.with_memory_kind("device"))
         stats = np.asarray(sums(leaf), np.float64)
         digest.update(f"{jax.tree_util.keystr(path)}|{tuple(leaf.shape)}|{leaf.dtype}|{stats[0]!r}|{stats[1]!r}|"
                       .encode())
