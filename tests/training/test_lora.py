@@ -242,6 +242,24 @@ def test_a_qlora_run_trains_every_trainable_leaf_and_checkpoints_only_them(qlora
             progress=False)
 
 
+def test_a_qlora_run_with_its_base_in_host_memory_follows_the_same_loss_curve(qlora_run, tmp_path):
+    """`offload_base`: the int4 base's stacked matrices in pinned host memory (a one-device mesh),
+    each layer copied in where it runs, "layer" remat — the trainer's loop (placement, the base's
+    fingerprint, checkpoints) gives the loss curve of the run with the base on the device."""
+    from clover_jax.training import finetune
+    from clover_jax.training.recipe import BASE_DIR
+
+    result, config, data, _ = qlora_run
+    offloaded = FinetuneConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                  "offload_base": True, "remat": "layer",
+                                  "checkpoint_dir": str(tmp_path / "checkpoints")})
+    again = finetune(BASE_DIR, data, tmp_path / "out", config=offloaded, progress=False)
+    want = [record["loss"] for record in result.history]
+    got = [record["loss"] for record in again.history]
+    assert len(got) == len(want) == config.steps
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_mask_row_beside_the_table_has_the_loss_and_gradient_of_the_row_written_into_it(small_clover, tied):
     """`attach` leaves the frozen tables as they are and puts the mask token's embedding row beside
