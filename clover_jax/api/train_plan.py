@@ -47,7 +47,7 @@ from clover_jax.parallel.planner import (
     weight_bytes_per_device,
 )
 from clover_jax.parallel.sharding import MESH_AXES, MeshSharding
-from clover_jax.training.config import FinetuneConfig
+from clover_jax.training.config import OFFLOAD_REMAT, FinetuneConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ logger = logging.getLogger(__name__)
 # 10.98 GB of temporaries with "full", 6.49 GB with "layer").
 REMAT_CHOICES = ("none", "full", "layer")
 SEQ_LENS = (4096, 8192, 16384, 32768)
-# The remat of an offloaded base: each layer copies its weights in again for its own backward.
-OFFLOAD_REMAT = "layer"
 MAX_EXPERT_AXIS = 8  # the psum dispatch moves [rows, hidden] over the expert axis per MoE layer: keep it short
 
 
@@ -112,11 +110,12 @@ def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compil
             break
     if not tried[-1].fits and finetune.method == "lora" and not finetune.offload_base:
         # The base on the chips does not fit: its layers in host memory, each copied in where it runs.
-        offloaded = dataclasses.replace(finetune, offload_base=True, remat=OFFLOAD_REMAT)
+        # "layer" (the first of OFFLOAD_REMAT): each layer copies its weights in again for its own backward
+        offloaded = dataclasses.replace(finetune, offload_base=True, remat=OFFLOAD_REMAT[0])
         logger.info("no mesh fits the base on the chips: trying its layers in host memory")
         for option in meshes:
             tried.append(_compiled(_option(config, offloaded, option, device_bytes), config, named.name, offloaded,
-                                   block_size, seq_lens, (OFFLOAD_REMAT,)))
+                                   block_size, seq_lens, (offloaded.remat,)))
             if tried[-1].fits:
                 break
     return _decide(min(tried, key=_compiled_bytes), where, finetune)

@@ -56,12 +56,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _finetune_config(args: argparse.Namespace):
     """The `FinetuneConfig` of `plan --task train`'s flags (a bad value: a FieldError naming it)."""
-    from clover_jax.training.config import FinetuneConfig
+    from clover_jax.training.config import OFFLOAD_REMAT, FinetuneConfig
 
     return FinetuneConfig(method=args.method, lora_rank=args.lora_rank, quantize=args.quantize,
                           lora_targets=tuple(name.strip() for name in args.lora_targets.split(",") if name.strip()),
                           batch_size=args.batch, seq_len=args.seq_len, block_size=args.block_size,
-                          remat=args.remat or ("layer" if args.offload_base else "none"),
+                          remat=args.remat or (OFFLOAD_REMAT[0] if args.offload_base else "none"),
                           offload_base=args.offload_base)
 
 
