@@ -38,6 +38,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
@@ -164,7 +165,9 @@ class Engine:
                                     ids=ids, eos=frozenset(self.defaults.eos_token_id),
                                     coreset=model.config.moe_block_coreset_enabled,
                                     coreset_top_p=np.float32(model.config.moe_block_coreset_top_p),
-                                    max_slots=max_running)
+                                    max_slots=max_running,
+                                    # where a pass is compute-bound, a lone commit is cheaper in a pass of its own
+                                    lone_commits=jax.default_backend() == "cpu")
         self._lock = threading.Condition()
         self._inbox: collections.deque = collections.deque()     # (Tracked) submitted, not yet seen by the loop
         self._cancels: set[int] = set()

@@ -47,6 +47,7 @@ class ModelContext:
     coreset: bool
     coreset_top_p: np.float32
     max_slots: int
+    lone_commits: bool = False          # diffusion: a slot committing alone runs apart (`diffusion_lane._commit_pass`)
 
 
 @dataclasses.dataclass
@@ -218,7 +219,8 @@ class DiffusionLane(Lane):
         scores = any(tracked.prepared.logprobs is not None for tracked in requests)
         self.slots, report = diffusion_lane.diffusion_step(
             self.context.passes, self.context.params, self.layout, self.slots, self.alive(),
-            self.context.coreset_top_p, self.context.ids, commit=commit, sample=sample, scores=scores)
+            self.context.coreset_top_p, self.context.ids, commit=commit, sample=sample, scores=scores,
+            lone_commits=self.context.lone_commits)
         closing, finished, blocks, steps, nfe, logprob, top_ids, top_values = jax.device_get(report)
         outcomes = []
         for slot, tracked in enumerate(self.occupants):

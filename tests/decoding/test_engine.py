@@ -216,3 +216,49 @@ def test_a_request_whose_left_padding_crosses_a_cache_bucket_decodes_as_alone(mo
     tokens, nfe, _ = alone(model, config, request)
     assert len(tokens) == max_new_tokens  # the whole response is written: the last rows are used
     assert (result.error, result.tokens, result.stats.nfe) == (None, tokens, nfe)
+
+
+def test_a_slot_committing_alone_in_a_pass_of_its_own_matches_the_whole_lane_pass(model):
+    # the CPU's commit step (`_commit_pass` with lone_commits) against the one-pass form: four slots
+    # at different lengths, one committing (its own pass) and two committing (the whole lane's pass)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from clover_jax.core.state import KVCache
+
+    size = 8
+    layout = diffusion_lane.DiffusionLayout(size, size, model.config.moe_block_coreset_enabled)
+    top_p = jnp.float32(model.config.moe_block_coreset_top_p)
+    rng = np.random.default_rng(0)
+    blocks = lambda: jnp.asarray(rng.integers(20, 90, (4, size)), jnp.int32)
+    masks = jnp.full((4, size), MASK_ID, jnp.int32)
+
+    @jax.jit
+    def lane_state():
+        state = model.passes.new_state(4, 64)
+        for grows in ([True] * 4, [True, False, True, False], [False, True, True, False]):
+            state = model.passes.commit_and_denoise(model.run_params, blocks(), masks, state, coreset=layout.coreset,
+                                                    coreset_top_p=top_p, commit=jnp.asarray(grows)).state
+        return state
+
+    state, block, rows = lane_state(), blocks(), masks.at[:, size // 2:].set(blocks()[:, size // 2:])
+    assert jax.device_get(state.length).tolist() == [2 * size, 2 * size, 3 * size, size]
+    step = jax.jit(diffusion_lane._commit_pass, static_argnames=("passes", "layout", "lone_commits"))
+    for pending in ([False, True, False, False], [True, False, False, True]):
+        pending = jnp.asarray(pending)
+        block_rows = jnp.where(pending[:, None], rows, block)
+        apart, whole = (step(model.passes, model.run_params, layout, block, block_rows, state, pending, top_p,
+                             lone_commits=lone) for lone in (True, False))
+        np.testing.assert_allclose(apart[0], whole[0], rtol=1e-5, atol=1e-5)
+        lengths = jax.device_get(apart[1].length)
+        assert lengths.tolist() == jax.device_get(whole[1].length).tolist()
+        for name, layer in apart[1].layers.items():
+            other = whole[1].layers[name]
+            if isinstance(layer, KVCache):  # [groups, slots, rows, ...]: rows past a slot's fill are never read
+                for slot, fill in enumerate(lengths):
+                    for left, right in ((layer.key, other.key), (layer.value, other.value)):
+                        np.testing.assert_allclose(left[:, slot, :fill], right[:, slot, :fill], rtol=1e-5, atol=1e-5)
+            else:
+                for left, right in zip(jax.tree_util.tree_leaves(layer), jax.tree_util.tree_leaves(other), strict=True):
+                    np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5)
