@@ -21,7 +21,6 @@ there (from every process of a multi-process run alike).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -171,7 +170,7 @@ def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dic
     def one(path, leaf):
         names = prefix + _names(path)
         if find_param(names) is None:  # a LoRA factor (trained, on the chips already)
-            return _factor_gradient_split(mesh_sharding, names, leaf) if "_lora_" in names[-1] else leaf
+            return leaf
         stacked = jax.tree_util.tree_map(lambda part: jax.ShapeDtypeStruct((1,) + part.shape, part.dtype), leaf)
         sharding = tree_shardings(mesh_sharding, stacked, prefix=names)
         return jax.tree_util.tree_map(
@@ -180,34 +179,6 @@ def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dic
 
     copied = jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
     return jax.lax.optimization_barrier(copied)
-
-
-def _factor_gradient_split(mesh_sharding: MeshSharding, names: tuple[str, ...], leaf: jax.Array) -> jax.Array:
-    """A layer's LoRA factor (`{weight}_lora_a|b` beside its weight), whose gradient leaves the
-    layer in the factor's own split (FSDP over the data axis): the layer scan stacks each layer's
-    gradient until the optimizer step, and without this the TPU compiler kept them whole over
-    the data axis — the routed experts' factors of 40 layers in float32, 1.9 GiB a chip on
-    v5e-8 (4, 2, 1) where their split is a quarter of that."""
-    weight, factor = names[-1].rsplit("_lora_", 1)
-    stacked = jax.ShapeDtypeStruct((1,) + tuple(leaf.shape), leaf.dtype)
-    placed = tree_shardings(mesh_sharding, stacked, prefix=("lora",) + names[:-1] + (weight, factor))
-    return _split_gradient(leaf, NamedSharding(placed.mesh, PartitionSpec(*placed.spec[1:])))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _split_gradient(value: jax.Array, sharding: NamedSharding) -> jax.Array:
-    return value
-
-
-def _split_gradient_forward(value, sharding):
-    return value, None
-
-
-def _split_gradient_backward(sharding, _, gradient):
-    return (jax.lax.with_sharding_constraint(gradient, sharding),)
-
-
-_split_gradient.defvjp(_split_gradient_forward, _split_gradient_backward)
 
 
 def _in_host_memory(stacks: Any, shardings: Any) -> Any:
