@@ -36,6 +36,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KernelChoice
@@ -53,8 +54,10 @@ from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrai
 LAYER_LOOPS = ("scan", "unrolled")
 # What a training pass's backward recomputes instead of keeping (docs/training.md, "Remat"): nothing;
 # each layer group from its input ("full"); each decoder layer from its input ("layer"); each
-# layer group, keeping the matmul outputs that have no batch dimension ("dots").
-REMAT = ("none", "full", "layer", "dots")
+# layer group, keeping the matmul outputs that have no batch dimension ("dots"); each decoder layer
+# from its input, kept in host memory rather than on the chips ("layer_offload").
+REMAT = ("none", "full", "layer", "dots", "layer_offload")
+LAYER_INPUT = "layer_input"  # each decoder layer's input, named for the "layer_offload" remat policy
 
 
 def layer_loop_for(platform: str) -> str:
@@ -131,6 +134,7 @@ class LayerGroup(nn.Module):
             if self.remat_layers:  # static_argnums counts `self`: 5 is `mode`
                 layer_module = nn.remat(layer_module, static_argnums=(5,))
             layer = layer_module(self.config, layer_type, self.dtype, self.kernels, self.mesh_sharding, name=name)
+            hidden = checkpoint_name(hidden, LAYER_INPUT)
             hidden, layers[name] = layer(hidden, layers[name], group, rows, mode, coreset_top_p)
         return (hidden, layers), None
 
@@ -241,9 +245,15 @@ class CloverTransformer(nn.Module):
                 # static_argnums counts `self`: 4 is `mode`
                 policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
                 group_module = nn.remat(LayerGroup, static_argnums=(4,), policy=policy)
+            elif remat == "layer_offload":
+                # the layer inputs the backward starts each layer's recomputation from, kept in host memory
+                policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+                    names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+                    offload_src="device", offload_dst="pinned_host")
+                group_module = nn.remat(LayerGroup, static_argnums=(4,), policy=policy)
             groups = nn.scan(group_module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                              in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_groups)
-            (hidden, layers), _ = groups(*group_args, remat_layers=remat == "layer",
+            (hidden, layers), _ = groups(*group_args, remat_layers=remat in ("layer", "layer_offload"),
                                          params_from_host=self.params_from_host, name="groups")(
                 (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
             sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None

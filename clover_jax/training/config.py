@@ -18,8 +18,8 @@ METHODS = ("full", "lora")
 LORA_TARGETS = ("attention", "gdn", "shared_expert", "routed_experts", "router")
 QUANTIZE = ("int8", "int4")
 PARAM_DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "layer", "dots")  # as clover_jax.nn.model.REMAT (docs/training.md, "Remat")
-OFFLOAD_REMAT = ("layer", "full")  # the remats that copy an offloaded layer again in the backward
+REMAT = ("none", "full", "layer", "dots", "layer_offload")  # as clover_jax.nn.model.REMAT (docs/training.md, "Remat")
+OFFLOAD_REMAT = ("layer", "full", "layer_offload")  # the remats that copy an offloaded layer again in the backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
-    remat: str = "none"                       # what the backward recomputes: "full" (layer groups), "layer", "dots"
+    remat: str = "none"                       # what the backward recomputes: see REMAT (docs/training.md, "Remat")
     offload_base: bool = False                # LoRA: the frozen base's layers in host memory, copied in per layer
     # LoRA (method="lora"; docs/training.md, "LoRA and QLoRA") and scale
     lora_rank: int = 16

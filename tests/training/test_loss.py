@@ -168,7 +168,7 @@ def cross_entropy_with(logits, targets, excluded):
 _PLAIN: dict = {}
 
 
-@pytest.mark.parametrize("choice", ["full", "layer", "dots"])
+@pytest.mark.parametrize("choice", ["full", "layer", "dots", "layer_offload"])
 def test_remat_recomputes_the_layer_groups_to_the_same_loss_and_gradient(model, choice):
     rows = packed_rows()
     _, maskable = block_rows(rows, B)
@@ -189,6 +189,7 @@ def test_remat_recomputes_the_layer_groups_to_the_same_loss_and_gradient(model, 
     # the switch reaches the program: the layer groups add rematerialised calls (the chunked
     # cross-entropy has its own in both)
     assert remat_trace.count("remat2[") > plain_trace.count("remat2[")
+    assert ("MemorySpace.Host" in remat_trace) == (choice == "layer_offload")  # the layers' inputs go to host memory
     np.testing.assert_allclose(float(remat), float(plain), rtol=1e-6)
     # Recomputed activations are fused and rounded differently: a few elements of a leaf differ in
     # float32's last bits, so each leaf is compared at 1e-5 of its own scale.

@@ -127,7 +127,8 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     assert plan.recommendation is option and option.mesh["data"] == 8 and option.remat == "layer"
     assert option.max_seq_len == 8192
 
-    # nothing fits with the base on the chips: its layers in host memory, remat "layer", mesh by mesh
+    # nothing fits with the base on the chips: its layers in host memory, mesh by mesh, remat "layer"
+    # then "layer_offload" (the layers' inputs in host memory too)
     on_chips = [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096),
                 (1, "none", 4096), (1, "full", 4096), (1, "layer", 4096)]
     compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110,
@@ -136,6 +137,11 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     assert compiled == on_chips + [(8, "layer", 4096, "host")]
     (option,) = plan.options
     assert plan.recommendation is option and option.offload_base and option.remat == "layer"
+    compiled = answers({(8, "layer", 4096): 130, (8, "layer", 4096, "host"): 105,
+                        (8, "layer_offload", 4096, "host"): 90})
+    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
+    assert compiled == on_chips + [(8, "layer", 4096, "host"), (8, "layer_offload", 4096, "host")]
+    assert plan.recommendation is plan.options[0] and plan.options[0].remat == "layer_offload"
     assert "layers in host memory" in option.weights and "8.0 GiB of host memory per chip" in plan.reason
     # on the chips by arithmetic: the embedding's and the LM head's share, not the layers'
     assert option.weight_bytes == 2 * config.vocab_size * config.hidden_size * 2 // 8
@@ -143,7 +149,8 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     # and when that does not fit either, the smallest of all is reported
     compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110})
     plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
-    assert compiled == on_chips + [(8, "layer", 4096, "host"), (1, "layer", 4096, "host")]
+    assert compiled == on_chips + [(8, "layer", 4096, "host"), (8, "layer_offload", 4096, "host"),
+                                   (1, "layer", 4096, "host"), (1, "layer_offload", 4096, "host")]
     (option,) = plan.options
     assert plan.recommendation is None and "does not fit" in plan.reason
     assert option.mesh == {"data": 1, "expert": 8, "tensor": 1} and option.remat == "layer"
