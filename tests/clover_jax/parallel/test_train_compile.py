@@ -95,8 +95,10 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
     run = FinetuneConfig(method="lora", lora_rank=16, batch_size=8, seq_len=4096, block_size=32)
     assert train_plan.train_meshes(config, 8, run) == [{"data": 8, "expert": 1, "tensor": 1},
+                                                        {"data": 4, "expert": 2, "tensor": 1},
                                                         {"data": 1, "expert": 8, "tensor": 1}]
     assert train_plan.train_meshes(config, 16, run) == [{"data": 8, "expert": 1, "tensor": 2},
+                                                         {"data": 4, "expert": 2, "tensor": 2},
                                                          {"data": 1, "expert": 8, "tensor": 2}]
     assert train_plan.train_meshes(config, 8, dataclasses.replace(run, mesh=(2, 4, 1))) == [
         {"data": 2, "expert": 4, "tensor": 1}]
@@ -130,6 +132,7 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     # nothing fits with the base on the chips: its layers in host memory, mesh by mesh, remat "layer"
     # then "layer_offload" (the layers' inputs in host memory too)
     on_chips = [(8, "none", 4096), (8, "full", 4096), (8, "layer", 4096),
+                (4, "none", 4096), (4, "full", 4096), (4, "layer", 4096),
                 (1, "none", 4096), (1, "full", 4096), (1, "layer", 4096)]
     compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110,
                         (8, "layer", 4096, "host"): 60})
@@ -137,19 +140,26 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     assert compiled == on_chips + [(8, "layer", 4096, "host")]
     (option,) = plan.options
     assert plan.recommendation is option and option.offload_base and option.remat == "layer"
-    compiled = answers({(8, "layer", 4096): 130, (8, "layer", 4096, "host"): 105,
-                        (8, "layer_offload", 4096, "host"): 90})
-    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
-    assert compiled == on_chips + [(8, "layer", 4096, "host"), (8, "layer_offload", 4096, "host")]
-    assert plan.recommendation is plan.options[0] and plan.options[0].remat == "layer_offload"
     assert "layers in host memory" in option.weights and "8.0 GiB of host memory per chip" in plan.reason
     # on the chips by arithmetic: the embedding's and the LM head's share, not the layers'
     assert option.weight_bytes == 2 * config.vocab_size * config.hidden_size * 2 // 8
+
+    # the next remat, then the next mesh (the v5e-8 LoRA row fits so: (4, 2, 1), "layer_offload")
+    compiled = answers({(8, "layer", 4096): 130, (8, "layer", 4096, "host"): 105,
+                        (8, "layer_offload", 4096, "host"): 105,
+                        (4, "layer", 4096, "host"): 104, (4, "layer_offload", 4096, "host"): 90})
+    plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
+    assert compiled == on_chips + [(8, "layer", 4096, "host"), (8, "layer_offload", 4096, "host"),
+                                   (4, "layer", 4096, "host"), (4, "layer_offload", 4096, "host")]
+    (option,) = plan.options
+    assert plan.recommendation is option and option.remat == "layer_offload"
+    assert option.mesh == {"data": 4, "expert": 2, "tensor": 1}
 
     # and when that does not fit either, the smallest of all is reported
     compiled = answers({(8, "layer", 4096): 130, (1, "full", 4096): 120, (1, "layer", 4096): 110})
     plan = clover_jax.plan(config, "H200x8", task="train", config=run, compile=True, seq_lens=())
     assert compiled == on_chips + [(8, "layer", 4096, "host"), (8, "layer_offload", 4096, "host"),
+                                   (4, "layer", 4096, "host"), (4, "layer_offload", 4096, "host"),
                                    (1, "layer", 4096, "host"), (1, "layer_offload", 4096, "host")]
     (option,) = plan.options
     assert plan.recommendation is None and "does not fit" in plan.reason
