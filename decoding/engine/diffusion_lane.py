@@ -34,7 +34,9 @@ from decoding.schedules.switch import ScheduleSwitch
 # Every named schedule, in one switch: a request may bring any of them without a recompile.
 SCHEDULES = ScheduleSwitch(sorted(BY_NAME))
 MAX_TOP_LOGPROBS = 20  # alternatives a slot records per position while its request asks for log-probabilities
-LONE_COMMITS_FROM = 4  # lane size: below it a lane's commit pass costs about what two passes would
+# The lane size from which a lone commit runs apart: measured at 16 slots; at 2 the two passes would
+# cost about what the lane's one does (an estimate from the one- and 16-sequence costs, not measured).
+LONE_COMMITS_FROM = 4
 
 
 class DiffusionLayout(NamedTuple):
