@@ -14,7 +14,7 @@ Per model (the bundled tiny Clover with its task's prompts; the medium random mo
     same requests more than once (a warm-up, then rounds), and the cache would answer the
     repeats' prompts from the earlier runs, a different computation from `generate`'s and the
     in-process engine's (`prefix_cache.py` measures the cache). On the medium model the diffusion
-    set compiled for over 27 minutes on 2 shared cores without finishing (2026-12-06);
+    set is 80 programs and took 36 minutes on 2 shared cores (2026-12-06);
     `--no-precompile` serves after the command line's default warm-up request instead (the same
     code with the engine's on-demand log turned on), and the untimed warm-up run compiles what the
     rounds need (the programs compiled during the timed rounds are counted from the server's log
@@ -47,7 +47,7 @@ way between a batch of 16 and a batch of 1 (about 1 request in 48 has differed).
 The machine is shared: the server and this process run on the same cores (the server idles while
 this process measures `generate`), and other jobs add noise; compare within a run.
 
-Usage: `python benchmarks/serving_http.py [--rounds 2] [--requests 32] [--medium-requests 32] [--models bundled
+Usage: `python benchmarks/serving_http.py [--rounds 2] [--requests 32] [--medium-requests 48] [--models bundled
 medium] [--no-engine] [--no-precompile] [--quick]`.
 """
 
@@ -350,15 +350,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32, help="requests per run on the bundled model")
-    parser.add_argument("--medium-requests", type=int, default=32,
-                        help="requests per run on the medium model (two per client: one wave of 16 leaves slots idle "
-                             "while the lane waits for its slowest request)")
+    parser.add_argument("--medium-requests", type=int, default=48,
+                        help="requests per run on the medium model (three per client, as benchmarks/serving.py: one "
+                             "wave of 16 leaves slots idle while the lane waits for its slowest request)")
     parser.add_argument("--prompt", type=int, default=64, help="longest random prompt (medium model)")
     parser.add_argument("--new", type=int, default=32, help="max_tokens of every request")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine's run")
     parser.add_argument("--no-precompile", action="store_true",
-                        help="the server warms up instead of precompiling (the medium model's precompile took over "
-                             "27 minutes on 2 shared cores); the warm-up run compiles what the rounds need, and the "
+                        help="the server warms up instead of precompiling (the medium model's precompile took 36 "
+                             "minutes on 2 shared cores); the warm-up run compiles what the rounds need, and the "
                              "programs compiled during the rounds are counted")
     parser.add_argument("--models", nargs="+", choices=("bundled", "medium"), default=["bundled", "medium"],
                         help="which models to measure, in this order (--quick: bundled)")
