@@ -47,9 +47,11 @@ class ExpertAdapters(NamedTuple):
     B holds its rank axis before its output axis (the transpose of a trained B's [out, r],
     `clover_jax.training.lora.attach`): a TPU lays a float32 array out in tiles of 8 x 128 over its
     last two axes, so a last axis of rank 16 takes 128 lanes, 8 times its bytes, and the layer
-    scan's backward stacks every layer's gradient of B before the optimizer reads it. Measured on
-    v5e-8 (LoRA r16, 8 x 4,096, mesh (4, 2, 1)): with B as [out, r] those stacks and the grouped
-    matmuls' gradients were 2.9 GiB of the step's temporaries at its peak, 0.37 GiB of values."""
+    scan's backward stacks every layer's gradient of B before the optimizer reads it. The grouped
+    matmul reads B as it is (`transpose_rhs=False`): the compiler lays arrays out to suit the
+    kernels' operands. Measured on v5e-8 (LoRA r16 on every target, 8 x 4,096, mesh (4, 2, 1),
+    base and layer inputs in host memory): the step's temporaries 12.52 GiB with B as [out, r],
+    12.49 with B transposed for the pass but handed to the kernel as [out, r], 10.34 as here."""
 
     gate_up_a: jax.Array | None
     gate_up_b: jax.Array | None
@@ -103,11 +105,12 @@ def _adapted_pairs(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, 
     matmul = _grouped_matmul(rule, sizes) if rule is not None and rule.kernel == "grouped" else _ragged_matmul(sizes)
 
     def project(rows, weight, a, b):
-        # [pairs, in] x [experts, out, in] per group, in the compute dtype; the rank-r product and
-        # the sum in float32. The rows enter the adapter's A in the compute dtype (its float32
-        # factor cast, as a LoRA runs under bfloat16 autocast): a float32 copy of the rows, and
-        # a float32 gradient for them, would be [pairs, hidden] each — 0.8 GB per layer at
-        # 98,304 pairs (one 4,096-token sequence, three streams, top-8).
+        # [pairs, in] x [experts, out, in] per group, in the compute dtype; the rank-r product
+        # (B [experts, r, out] read as it is) and the sum in float32. The rows enter the
+        # adapter's A in the compute dtype (its float32 factor cast, as a LoRA runs under bfloat16
+        # autocast): a float32 copy of the rows, and a float32 gradient for them, would be
+        # [pairs, hidden] each — 0.8 GB per layer at 98,304 pairs (one 4,096-token sequence,
+        # three streams, top-8).
         out = matmul(rows, weight, dtype)
         if a is None:
             return out
