@@ -53,32 +53,36 @@ def _megablox(lhs, rhs, group_sizes, out_dtype, interpret, transpose_rhs=True):
     return _rows_past_total_to_zero(out[:rows], group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _shipped_kernel(kernel: str, out_dtype, interpret: bool, lhs, rhs, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _shipped_kernel(kernel: str, out_dtype, interpret: bool, transpose_rhs: bool, lhs, rhs, group_sizes):
     """A kernel JAX ships (float weights, every group) with our backward pass: megablox's `gmm`
     has a VJP of its own, but its d lhs leaves the rows past Σ group_sizes undefined (they are
-    real rows here, whose gradient is 0); Hopper's ragged dot has none."""
+    real rows here, whose gradient is 0); Hopper's ragged dot has none. rhs: [groups, cols, depth]
+    (`transpose_rhs`) or, megablox only, [groups, depth, cols]."""
     if kernel == "megablox":
-        return _megablox(lhs, rhs, group_sizes, out_dtype, interpret)
+        return _megablox(lhs, rhs, group_sizes, out_dtype, interpret, transpose_rhs)
     return _mosaic_gpu(lhs, rhs, group_sizes, out_dtype)
 
 
-def _shipped_forward(kernel, out_dtype, interpret, lhs, rhs, group_sizes):
-    return _shipped_kernel(kernel, out_dtype, interpret, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+def _shipped_forward(kernel, out_dtype, interpret, transpose_rhs, lhs, rhs, group_sizes):
+    return _shipped_kernel(kernel, out_dtype, interpret, transpose_rhs, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
 
-def _shipped_backward(kernel, out_dtype, interpret, residuals, d_out):
+def _shipped_backward(kernel, out_dtype, interpret, transpose_rhs, residuals, d_out):
     from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
 
     lhs, rhs, group_sizes = residuals
     variant = "tpu" if kernel == "megablox" else "gpu"
-    if kernel == "megablox":
-        d_lhs = _megablox(d_out, rhs, group_sizes, lhs.dtype, interpret, transpose_rhs=False)
+    if kernel == "megablox":  # d lhs [rows, depth] = d_out [rows, cols] @ W[g] [cols, depth], either layout in place
+        d_lhs = _megablox(d_out, rhs, group_sizes, lhs.dtype, interpret, transpose_rhs=not transpose_rhs)
     else:
         d_lhs = grouped_matmul_dx(d_out, rhs, group_sizes, fmt=WeightFormat(), out_dtype=lhs.dtype,
                                   compute_dtype=jnp.promote_types(d_out.dtype, rhs.dtype), variant=variant,
                                   interpret=interpret)
-    d_rhs = weight_gradient(lhs, d_out, group_sizes, out_dtype=rhs.dtype, variant=variant, interpret=interpret)
+    if transpose_rhs:  # [groups, cols, depth] = Σ d_outᵀ ⊗ lhs
+        d_rhs = weight_gradient(lhs, d_out, group_sizes, out_dtype=rhs.dtype, variant=variant, interpret=interpret)
+    else:              # [groups, depth, cols] = Σ lhsᵀ ⊗ d_out
+        d_rhs = weight_gradient(d_out, lhs, group_sizes, out_dtype=rhs.dtype, variant=variant, interpret=interpret)
     return d_lhs, d_rhs, None
 
 
@@ -106,15 +110,29 @@ def grouped_matmul_for_platform(
     preferred_element_type: jnp.dtype | None = None,
     kernel: GroupedKernel = "auto",
     interpret: bool = False,
+    transpose_rhs: bool = True,
 ) -> jax.Array:
     """`grouped_matmul` semantics (lhs [rows, depth], rhs [groups, cols, depth] float, or int8 /
     packed int4 with `rhs_scales`) with the kernel
     chosen for `platform` ("cpu", "gpu", "tpu", e.g. `jax.default_backend()`; an export target's
     "cuda" or "rocm" means "gpu", `platforms.platform_name`). `interpret` runs the Pallas choices
-    in interpret mode (tests on CPU)."""
+    in interpret mode (tests on CPU).
+
+    transpose_rhs=False: float rhs [groups, depth, cols] (`lhs @ rhs[g]`, as `jax.lax.ragged_dot`
+    takes it), for a weight whose depth is narrow, such as a LoRA factor B [rank, out]: a TPU lays
+    float32 out in tiles of 8 x 128 over the last two axes, so [out, rank 16] takes 8 times its
+    bytes, and its gradient too. megablox reads [groups, depth, cols] in place and its `tgmm`
+    returns the gradient in it; the other kernels read [groups, cols, depth] and are given the
+    transpose."""
     platform = platform_name(platform)
     chosen = grouped_matmul_kernel(platform, kernel, active_groups is not None, rhs_scales is not None)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if not transpose_rhs:
+        if rhs_scales is not None:
+            raise ValueError("transpose_rhs=False takes float weights (quantised ones are [groups, cols, depth])")
+        if chosen == "megablox":
+            return _shipped_kernel(chosen, out_dtype, interpret, False, lhs, rhs, group_sizes)
+        rhs = jnp.swapaxes(rhs, 1, 2)
     if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
         raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")
     if chosen in ("megablox", "mosaic_gpu") and rhs_scales is not None:
@@ -125,7 +143,7 @@ def grouped_matmul_for_platform(
         return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                                         preferred_element_type=out_dtype)
     if chosen in ("megablox", "mosaic_gpu"):
-        return _shipped_kernel(chosen, out_dtype, interpret, lhs, rhs, group_sizes)
+        return _shipped_kernel(chosen, out_dtype, interpret, True, lhs, rhs, group_sizes)
     if chosen == "pallas":
         return grouped_matmul(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                               preferred_element_type=out_dtype, variant="tpu" if platform == "tpu" else "gpu",

@@ -70,7 +70,8 @@ def train_meshes(config: CloverConfig, chips: int, finetune: FinetuneConfig) -> 
     with all of them on the data axis, then with the experts over 2 of them, then over the largest
     of them (up to 8) that divides the experts. (The LoRA run of v5e-8, 8 x 4,096 tokens, base in
     host memory, remat "layer_offload": 16.67 GiB a chip on (8, 1, 1), 14.09 on (4, 2, 1), where
-    each chip gathers half the experts of a layer rather than all of them.)
+    each chip gathers half the experts of a layer rather than all of them; since the routed
+    experts' B runs as [rank, out], 12.87 and 11.91.)
 
     Data first because of memory: inside an MoE layer the rows are replicated over the expert axis
     (its dispatch is one psum, `clover_jax.nn.moe`), so each chip of that axis routes the pairs of

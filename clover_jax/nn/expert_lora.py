@@ -5,8 +5,10 @@ Each (token, choice) pair is sorted by expert, as the expert loop sorts them
 (`jax.lax.ragged_dot`, group sizes = pairs per expert), the frozen weight's and the rank-r
 factors' alike:
 
-    gate|up = rows W_guᵀ + (rows A_guᵀ) B_guᵀ      rows: [pairs, hidden], sorted by expert
-    out     = act W_downᵀ + (act A_downᵀ) B_downᵀ   act = silu(gate) * up
+    gate|up = rows W_guᵀ + (rows A_guᵀ) B_gu        rows: [pairs, hidden], sorted by expert
+    out     = act W_downᵀ + (act A_downᵀ) B_down    act = silu(gate) * up
+
+(B as `ExpertAdapters` holds it: [r, out] per expert.)
 
 The factors are float32 parameters; the products with the rows run in the compute dtype, the
 rank-r products and the sums in float32.
@@ -39,8 +41,17 @@ from pallas_kernels.platforms import grouped_matmul_kernel
 
 class ExpertAdapters(NamedTuple):
     """One layer's routed-expert LoRA factors (float32; the scale folded into B), or None where the
-    stack has none: gate_up_a [experts, r, hidden], gate_up_b [experts, 2 * intermediate, r],
-    down_a [experts, r, intermediate], down_b [experts, hidden, r]."""
+    stack has none: gate_up_a [experts, r, hidden], gate_up_b [experts, r, 2 * intermediate],
+    down_a [experts, r, intermediate], down_b [experts, r, hidden].
+
+    B holds its rank axis before its output axis (the transpose of a trained B's [out, r],
+    `clover_jax.training.lora.attach`): a TPU lays a float32 array out in tiles of 8 x 128 over its
+    last two axes, so a last axis of rank 16 takes 128 lanes, 8 times its bytes, and the layer
+    scan's backward stacks every layer's gradient of B before the optimizer reads it. The grouped
+    matmul reads B as it is (`transpose_rhs=False`): the compiler lays arrays out to suit the
+    kernels' operands. Measured on v5e-8 (LoRA r16 on every target, 8 x 4,096, mesh (4, 2, 1),
+    base and layer inputs in host memory): the step's temporaries 12.52 GiB with B as [out, r],
+    12.49 with B transposed for the pass but handed to the kernel as [out, r], 10.34 as here."""
 
     gate_up_a: jax.Array | None
     gate_up_b: jax.Array | None
@@ -94,16 +105,17 @@ def _adapted_pairs(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, 
     matmul = _grouped_matmul(rule, sizes) if rule is not None and rule.kernel == "grouped" else _ragged_matmul(sizes)
 
     def project(rows, weight, a, b):
-        # [pairs, in] x [experts, out, in] per group, in the compute dtype; the rank-r product and
-        # the sum in float32. The rows enter the adapter's A in the compute dtype (its float32
-        # factor cast, as a LoRA runs under bfloat16 autocast): a float32 copy of the rows, and
-        # a float32 gradient for them, would be [pairs, hidden] each — 0.8 GB per layer at
-        # 98,304 pairs (one 4,096-token sequence, three streams, top-8).
+        # [pairs, in] x [experts, out, in] per group, in the compute dtype; the rank-r product
+        # (B [experts, r, out] read as it is) and the sum in float32. The rows enter the
+        # adapter's A in the compute dtype (its float32 factor cast, as a LoRA runs under bfloat16
+        # autocast): a float32 copy of the rows, and a float32 gradient for them, would be
+        # [pairs, hidden] each — 0.8 GB per layer at 98,304 pairs (one 4,096-token sequence,
+        # three streams, top-8).
         out = matmul(rows, weight, dtype)
         if a is None:
             return out
         inner = matmul(rows, a.astype(dtype), dtype).astype(jnp.float32)   # [pairs, r]
-        return (out.astype(jnp.float32) + matmul(inner, b, jnp.float32)).astype(dtype)
+        return (out.astype(jnp.float32) + matmul(inner, b, jnp.float32, transpose=False)).astype(dtype)
 
     rows = tokens[pairs.sorted_tokens]
     gate, up = jnp.split(project(rows, gate_up_proj, adapters.gate_up_a, adapters.gate_up_b), 2, axis=-1)
@@ -112,9 +124,11 @@ def _adapted_pairs(tokens, expert_ids, expert_weights, gate_up_proj, down_proj, 
 
 
 def _ragged_matmul(sizes: jax.Array):
-    """XLA's grouped matmul; a quantised stack is dequantised whole to the compute dtype first."""
-    def matmul(rows, weight, dtype):
-        return jax.lax.ragged_dot(rows, jnp.swapaxes(dequantize(weight, dtype), 1, 2), sizes)
+    """XLA's grouped matmul; a quantised stack is dequantised whole to the compute dtype first.
+    weight: [experts, out, in], or [experts, in, out] with transpose=False (a factor B)."""
+    def matmul(rows, weight, dtype, transpose=True):
+        weight = dequantize(weight, dtype)
+        return jax.lax.ragged_dot(rows, jnp.swapaxes(weight, 1, 2) if transpose else weight, sizes)
     return matmul
 
 
@@ -124,12 +138,13 @@ def _grouped_matmul(rule: ExpertRule, sizes: jax.Array):
     float copy of it exists; float factors get their gradient from the transposed grouped matmul."""
     from pallas_kernels import grouped_matmul_for_platform  # imported on use: Pallas costs startup time on CPU
 
-    def matmul(rows, weight, dtype):
+    def matmul(rows, weight, dtype, transpose=True):
         quantized = isinstance(weight, QuantizedWeight)
         values, scales = (weight.values, weight.scales) if quantized else (weight, None)
         kernel = "pallas" if rule.platform == "cpu" else grouped_matmul_kernel(rule.platform, "auto", False, quantized)
         return grouped_matmul_for_platform(rule.platform, rows.astype(dtype), values, sizes, rhs_scales=scales,
-                                           preferred_element_type=dtype, kernel=kernel, interpret=rule.interpret)
+                                           preferred_element_type=dtype, kernel=kernel, interpret=rule.interpret,
+                                           transpose_rhs=transpose)
     return matmul
 
 

@@ -18,8 +18,10 @@ A LoRA run trains a small pytree, `trainable`, beside the frozen base parameters
 
 `attach` builds the parameter tree a training pass runs: the frozen base with the factors placed
 beside each adapted weight (`{name}_lora_a`, `{name}_lora_b`, the scale folded into B, read by
-`clover_jax.nn.layers.low_rank_update` and the MoE layer), the fully trained leaves put in and the
-mask token's embedding row beside the frozen table (`embed_tokens/trained_mask_row`).
+`clover_jax.nn.layers.low_rank_update` and the MoE layer; a routed stack's B transposed to
+[..., rank, out], as `clover_jax.nn.expert_lora.ExpertAdapters` says why), the fully trained
+leaves put in and the mask token's embedding row beside the frozen table
+(`embed_tokens/trained_mask_row`).
 `merge` folds everything into the base weights (the merged checkpoint, adapter loading).
 """
 
@@ -135,7 +137,10 @@ def attach(base: dict, trainable: dict, spec: LoraSpec) -> dict:
     params = base
     for path, factors in lora_items(trainable):
         params = put(params, path[:-1] + (f"{path[-1]}_lora_a",), factors["a"])
-        params = put(params, path[:-1] + (f"{path[-1]}_lora_b",), factors["b"] * spec.scale)
+        b = factors["b"] * spec.scale
+        if path[2:] in TARGETS["routed_experts"]:  # [groups, experts, rank, out] in the pass: `ExpertAdapters`
+            b = jnp.swapaxes(b, -1, -2)
+        params = put(params, path[:-1] + (f"{path[-1]}_lora_b",), b)
     for path, leaf in full_items(trainable):
         params = put(params, path, leaf.astype(get(base, path).dtype))
     # The tables stay the frozen arrays: a row written into a [vocab, hidden] table would make the

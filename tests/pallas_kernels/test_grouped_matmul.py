@@ -186,6 +186,8 @@ def test_quantised_rhs_without_scales_or_with_mismatched_scales_is_refused():
         grouped_matmul(lhs[:, :32], values, sizes, rhs_scales=scales, interpret=True)
     with pytest.raises(ValueError, match="megablox.*float weights"):
         grouped_matmul_for_platform("tpu", lhs, values, sizes, rhs_scales=scales, kernel="megablox")
+    with pytest.raises(ValueError, match="transpose_rhs=False takes float weights"):
+        grouped_matmul_for_platform("tpu", lhs, values, sizes, rhs_scales=scales, transpose_rhs=False)
     from pallas_kernels.platforms import grouped_matmul_kernel as kernel_for
 
     assert kernel_for("tpu", "auto", False, quantized=True) == "pallas"  # megablox takes float weights only

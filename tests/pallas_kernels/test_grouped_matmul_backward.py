@@ -124,14 +124,27 @@ def test_quantised_weights_are_frozen_and_bfloat16_d_lhs_stays_near_the_dequanti
     assert_close(d_lhs, want, rtol=2 ** -7)  # d_out is scaled, then rounded to bf16, before the dot
 
 
+@pytest.mark.parametrize("transpose_rhs", [True, False])
 @pytest.mark.parametrize("kernel", ["megablox", "pallas", "xla"])
-def test_every_kernel_choice_for_a_platform_is_differentiable(kernel):
+def test_every_kernel_choice_for_a_platform_is_differentiable(kernel, transpose_rhs):
+    """Each kernel's value and gradients against the oracle's, the weights [groups, cols, depth]
+    or (transpose_rhs=False, a LoRA factor B's layout) [groups, depth, cols], whose gradient
+    comes back in that layout."""
     rows, sizes = LAYOUTS["empty_groups_rows_past_the_total_and_a_partial_tile"]
     lhs, rhs, cotangent = operands(rows, len(sizes), seed=5)
     sizes = jnp.asarray(sizes, jnp.int32)
     platform = "cpu" if kernel == "xla" else "tpu"
-    got = gradients(lambda x, r: grouped_matmul_for_platform(platform, x, r, sizes, kernel=kernel, interpret=True),
-                    lhs, rhs, cotangent)
-    want = gradients(lambda x, r: grouped_matmul_reference(x, r, sizes), lhs, rhs, cotangent)
-    for g, w in zip(got, want, strict=True):
-        assert_close(g, w, rtol=1e-5)
+    stored = rhs if transpose_rhs else jnp.swapaxes(rhs, 1, 2)
+
+    def value_and_gradients(matmul, weights):
+        loss = lambda x, w: jnp.sum(matmul(x, w).astype(jnp.float32) * cotangent)
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(lhs, weights)
+
+    value, (d_lhs, d_stored) = value_and_gradients(
+        lambda x, w: grouped_matmul_for_platform(platform, x, w, sizes, kernel=kernel, interpret=True,
+                                                 transpose_rhs=transpose_rhs), stored)
+    want_value, (want_lhs, want_rhs) = value_and_gradients(lambda x, w: grouped_matmul_reference(x, w, sizes), rhs)
+    assert d_stored.shape == stored.shape
+    assert_close(value, want_value, rtol=1e-5)
+    assert_close(d_lhs, want_lhs, rtol=1e-5)
+    assert_close(d_stored, want_rhs if transpose_rhs else jnp.swapaxes(want_rhs, 1, 2), rtol=1e-5)

@@ -63,8 +63,8 @@ def test_grouped_experts_have_the_loops_loss_and_gradients(num_tokens, num_exper
 def adapters(num_experts, seed):
     rng = np.random.RandomState(seed)
     factor = lambda *shape: jnp.asarray(rng.randn(*shape) / np.sqrt(shape[-1]), jnp.float32)
-    return ExpertAdapters(factor(num_experts, RANK, HIDDEN), factor(num_experts, 2 * INTERMEDIATE, RANK),
-                          factor(num_experts, RANK, INTERMEDIATE), factor(num_experts, HIDDEN, RANK))
+    return ExpertAdapters(factor(num_experts, RANK, HIDDEN), factor(num_experts, RANK, 2 * INTERMEDIATE),
+                          factor(num_experts, RANK, INTERMEDIATE), factor(num_experts, RANK, HIDDEN))
 
 
 def test_lora_experts_through_the_grouped_kernels_equal_ragged_dot_over_the_dequantised_base(small_clover_checkpoint):
