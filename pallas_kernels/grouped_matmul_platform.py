@@ -127,16 +127,16 @@ def grouped_matmul_for_platform(
     platform = platform_name(platform)
     chosen = grouped_matmul_kernel(platform, kernel, active_groups is not None, rhs_scales is not None)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
+        raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")
+    if chosen in ("megablox", "mosaic_gpu") and rhs_scales is not None:
+        raise ValueError(f"kernel={chosen!r} takes float weights; use kernel='pallas' for quantised weights")
     if not transpose_rhs:
         if rhs_scales is not None:
             raise ValueError("transpose_rhs=False takes float weights (quantised ones are [groups, cols, depth])")
         if chosen == "megablox":
             return _shipped_kernel(chosen, out_dtype, interpret, False, lhs, rhs, group_sizes)
         rhs = jnp.swapaxes(rhs, 1, 2)
-    if chosen in ("megablox", "mosaic_gpu") and active_groups is not None:
-        raise ValueError(f"kernel={chosen!r} computes every group; use kernel='pallas' for active_groups")
-    if chosen in ("megablox", "mosaic_gpu") and rhs_scales is not None:
-        raise ValueError(f"kernel={chosen!r} takes float weights; use kernel='pallas' for quantised weights")
     if chosen == "xla":
         if rhs_scales is not None:  # a quantised base is frozen, as in the kernels' backward
             rhs, rhs_scales = jax.lax.stop_gradient(rhs), jax.lax.stop_gradient(rhs_scales)
