@@ -134,16 +134,15 @@ def grouped_matmul_for_platform(
     if not transpose_rhs:
         if rhs_scales is not None:
             raise ValueError("transpose_rhs=False takes float weights (quantised ones are [groups, cols, depth])")
-        if chosen == "megablox":
-            return _shipped_kernel(chosen, out_dtype, interpret, False, lhs, rhs, group_sizes)
-        rhs = jnp.swapaxes(rhs, 1, 2)
+        if chosen != "megablox":  # the other kernels read [groups, cols, depth]
+            rhs, transpose_rhs = jnp.swapaxes(rhs, 1, 2), True
     if chosen == "xla":
         if rhs_scales is not None:  # a quantised base is frozen, as in the kernels' backward
             rhs, rhs_scales = jax.lax.stop_gradient(rhs), jax.lax.stop_gradient(rhs_scales)
         return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                                         preferred_element_type=out_dtype)
     if chosen in ("megablox", "mosaic_gpu"):
-        return _shipped_kernel(chosen, out_dtype, interpret, True, lhs, rhs, group_sizes)
+        return _shipped_kernel(chosen, out_dtype, interpret, transpose_rhs, lhs, rhs, group_sizes)
     if chosen == "pallas":
         return grouped_matmul(lhs, rhs, group_sizes, rhs_scales=rhs_scales, active_groups=active_groups,
                               preferred_element_type=out_dtype, variant="tpu" if platform == "tpu" else "gpu",
