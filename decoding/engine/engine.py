@@ -202,6 +202,7 @@ class Engine:
         self._queue: collections.deque = collections.deque()     # admitted to wait, in order
         self._held: dict[int, Tracked] = {}                        # holding a slot, in admission order
         self._free_slots = list(range(max_running - 1, -1, -1))
+        self._first_slot = 0                                       # where decoding requests' turns start
         self._waiting = 0                                          # inbox + queue
         self._numbers = itertools.count()
         self._closed = False
@@ -216,11 +217,14 @@ class Engine:
         """The device state of an empty engine: no page held, every slot empty."""
         shapes, context = self.shapes, self.context
         self.page_table = np.full((shapes.slots, shapes.pages_per_slot), TRASH_PAGE, np.int32)
-        self.state = jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
-            shapes.slots, shapes.num_pages, shapes.page_size)
-        self.slots = jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
-                                                      vocab=context.vocab, ids=context.ids,
-                                                      template=self.template(Mode.DIFFUSION)))
+        # committed to their devices, as every program's outputs are: an uncommitted argument is another
+        # program (the first pass after `precompile` compiled its forward again)
+        commit = lambda tree: jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), tree)
+        self.state = commit(jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
+            shapes.slots, shapes.num_pages, shapes.page_size))
+        self.slots = commit(jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
+                                                             vocab=context.vocab, ids=context.ids,
+                                                             template=self.template(Mode.DIFFUSION))))
 
     def template(self, mode: Mode) -> PreparedRequest:
         """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
@@ -351,10 +355,11 @@ class Engine:
                 self._queue.extend(arrived)
                 try:
                     self._cancel(cancels)
-                    self._admit()
-                    works = self._plan()
-                    if works:
-                        with precompiling.on_demand(self, works):
+                    works = []
+                    with precompiling.on_demand(self, lambda: precompiling.pass_shape(self, works)):
+                        self._admit()
+                        works = self._plan()
+                        if works:
                             self._run(works)
                 except Exception:  # a bug in the loop itself: fail what it holds and keep serving
                     logger.exception("the engine's loop failed; failing the requests it held")
@@ -421,16 +426,21 @@ class Engine:
         self.slots = self.slots._replace(**{field: put_slot(getattr(self.slots, field), slot, entry)})
 
     def _plan(self) -> list:
-        """Every decoding request's work, then prefill chunks within the budgets."""
+        """Every decoding request's work, then prefill chunks within the budgets. Decoding requests
+        take turns at the front (by slot, from where the last pass left off), so that when their
+        work exceeds a pass the ones left out run first in the next."""
         mask, budget = int(self.context.ids.mask), self.shapes.max_tokens
         works = []
         held = list(self._held.values())
-        for tracked in held:
-            if tracked.decoding and not tracked.done:
-                work = plan(tracked, budget=budget, prefill_budget=0, mask=mask)
-                if work is not None:
-                    works.append(work)
-                    budget -= len(work.causal) + len(work.block)
+        decoding = sorted((t for t in held if t.decoding and not t.done),
+                          key=lambda t: (t.slot - self._first_slot) % self.shapes.slots)
+        for tracked in decoding:
+            work = plan(tracked, budget=budget, prefill_budget=0, mask=mask)
+            if work is None:
+                self._first_slot = tracked.slot  # left out: first in the next pass
+                break
+            works.append(work)
+            budget -= len(work.causal) + len(work.block)
         prefill = self.prefill_budget
         for tracked in held:
             if tracked.decoding or tracked.done or prefill <= 0 or budget <= 0:

@@ -86,7 +86,7 @@ def check_mapping_headroom() -> None:
     raise RuntimeError(
         f"precompiling stopped: the programs compiled so far hold {use[0]:,} memory mappings of this process's "
         f"limit of {use[1]:,} (vm.max_map_count), and XLA on a CPU crashes past it; precompile a narrower set "
-        f"(fewer --block-sizes, a smaller --max-running), or raise vm.max_map_count")
+        f"(fewer modes or --block-sizes), or raise vm.max_map_count")
 
 
 def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_running: int, chunk_size: int,
@@ -94,7 +94,7 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
                      prefix_cache: bool = True, max_context: int | None = None) -> dict[str, int]:
     """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
     (the count depends on the engine's shapes only, never on the model's size or the context):
-    forward passes (one per token padding), decisions (per block size of `block_sizes` that a mode
+    forward passes (one per token padding, up to the prefill budget), decisions (per block size of `block_sizes` that a mode
     decodes with: a denoising step greedy and sampled, with and without log-probabilities; a
     self-speculative round's drafts and acceptance; the autoregressive choice greedy and sampled),
     slot writes (one per mode), and a slot's GDN states zeroed (and with a prefix cache read and
@@ -103,7 +103,7 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     `block_sizes`); chunk_size: the prefill budget per pass (the model's prefill chunk by default).
     max_context does not change the count (accepted for the callers that state it)."""
     served = served_block_sizes or block_sizes
-    paddings = token_paddings(max_pass_tokens(slots=max_running, max_block=max(served), prefill_budget=chunk_size))
+    paddings = token_paddings(max_pass_tokens(max_block=max(served), prefill_budget=chunk_size))
     variants = 2 if sample else 1
     # a slot's GDN states: zeroed at every admission; read and restored for the prefix cache
     counts = {"forward": len(paddings), "decisions": 0, "slots": 0, "gdn_states": 3 if prefix_cache else 1}
@@ -174,8 +174,8 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
 
 
 @contextlib.contextmanager
-def on_demand(engine, works=()):
-    """Around an engine pass after `precompile`: log the programs it compiled (with the pass's
+def on_demand(engine, what):
+    """Around engine work after `precompile`: log the programs it compiled (with `what()`, the work's
     shape) and count them in `engine.compiled_on_demand`."""
     if engine.precompiled is None:
         yield
@@ -187,11 +187,15 @@ def on_demand(engine, works=()):
     if new:
         engine.compiled_on_demand += new
         kinds = sorted({(strategy(t.mode).mode.value, t.block_size) for t in engine._held.values()})
-        rows = sum(len(work.causal) + len(work.block) for work in works)
-        logger.warning("compiled %d program(s) on demand in %.1f s (%s), outside the precompiled set: a pass of %d "
-                       "tokens (padded to %d) for requests of %s", new, time.perf_counter() - started,
-                       ", ".join(f"{name} x{count}" for name, count in grown.items()), rows,
-                       engine.shapes.padding_for(rows) if rows else 0, kinds)
+        logger.warning("compiled %d program(s) on demand in %.1f s (%s), outside the precompiled set: %s, for requests "
+                       "of %s", new, time.perf_counter() - started,
+                       ", ".join(f"{name} x{count}" for name, count in grown.items()), what(), kinds)
+
+
+def pass_shape(engine, works) -> str:
+    """A pass's shape as the on-demand log gives it."""
+    rows = sum(len(work.causal) + len(work.block) for work in works)
+    return f"a pass of {rows} tokens (padded to {engine.shapes.padding_for(rows)})" if rows else "admitting requests"
 
 
 def _programs_by_function() -> dict[str, int]:
