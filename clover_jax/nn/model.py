@@ -50,7 +50,7 @@ from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.nn.layers import RMSNorm, table_param
 from clover_jax.nn.moe import RouterStats, SparseMoE
 from clover_jax.nn.run_layout import unstack_groups
-from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
+from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_paged_state, constrain_state
 
 LAYER_LOOPS = ("scan", "unrolled")
 # What a training pass's backward recomputes instead of keeping (docs/training.md, "Remat"): nothing;
@@ -270,7 +270,7 @@ class CloverTransformer(nn.Module):
         if ragged is not None:
             hidden = norm(gather_rows(hidden[0], ragged.logit_rows))                  # [S, W, hidden]
             logits = jnp.einsum("swh,vh->swv", hidden, head, preferred_element_type=jnp.float32)
-            return PassOutput(logits, PagedState(layers), None)
+            return PassOutput(logits, constrain_paged_state(PagedState(layers), self.mesh_sharding), None)
         hidden = norm(hidden[:, logits_from:])
         if streams is not None:
             return StreamOutput(hidden, head, None if sown is None else self.router_stats_by_layer(sown))
@@ -329,7 +329,8 @@ class TransformerPasses(ModelPasses):
                                  coreset_top_p=coreset_top_p, ragged=batch)
 
     def new_paged_state(self, slots: int, num_pages: int, page_size: int) -> PagedState:
-        return empty_paged_state(self.module.config, slots, num_pages, page_size, self.module.dtype)
+        state = empty_paged_state(self.module.config, slots, num_pages, page_size, self.module.dtype)
+        return constrain_paged_state(state, self.module.mesh_sharding)
 
     def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
         return rollback.rolled_back(state, keep, rows, self.module.kernels)

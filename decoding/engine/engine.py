@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -222,9 +223,11 @@ class Engine:
         commit = lambda tree: jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), tree)
         self.state = commit(jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
             shapes.slots, shapes.num_pages, shapes.page_size))
+        mesh_sharding = getattr(self.model, "mesh_sharding", None)
         self.slots = commit(jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
                                                              vocab=context.vocab, ids=context.ids,
-                                                             template=self.template(Mode.DIFFUSION))))
+                                                             template=self.template(Mode.DIFFUSION)),
+                                           None if mesh_sharding is None else mesh_sharding.replicated()))
 
     def template(self, mode: Mode) -> PreparedRequest:
         """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
@@ -355,10 +358,10 @@ class Engine:
                 self._queue.extend(arrived)
                 try:
                     self._cancel(cancels)
-                    works = []
-                    with precompiling.on_demand(self, lambda: precompiling.pass_shape(self, works)):
+                    works: list = []  # this iteration's pass, filled once planned (the on-demand log reads it)
+                    with precompiling.on_demand(self, functools.partial(precompiling.pass_shape, self, works)):
                         self._admit()
-                        works = self._plan()
+                        works.extend(self._plan())
                         if works:
                             self._run(works)
                 except Exception:  # a bug in the loop itself: fail what it holds and keep serving

@@ -94,14 +94,14 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
                      prefix_cache: bool = True, max_context: int | None = None) -> dict[str, int]:
     """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
     (the count depends on the engine's shapes only, never on the model's size or the context):
-    forward passes (one per token padding, up to the prefill budget), decisions (per block size of `block_sizes` that a mode
-    decodes with: a denoising step greedy and sampled, with and without log-probabilities; a
-    self-speculative round's drafts and acceptance; the autoregressive choice greedy and sampled),
-    slot writes (one per mode), and a slot's GDN states zeroed (and with a prefix cache read and
-    restored).
-    served_block_sizes: the engine's block sizes (its widest fixes the passes; default
-    `block_sizes`); chunk_size: the prefill budget per pass (the model's prefill chunk by default).
-    max_context does not change the count (accepted for the callers that state it)."""
+    forward passes (one per token padding, up to the prefill budget), decisions (per block size of
+    `block_sizes` that a mode decodes with: a denoising step greedy and sampled, with and without
+    log-probabilities; a self-speculative round's drafts and acceptance; the autoregressive choice
+    greedy and sampled), slot writes (one per mode), and a slot's GDN states zeroed (and with a
+    prefix cache read and restored). served_block_sizes: the engine's block sizes (its widest
+    fixes the passes; default `block_sizes`); chunk_size: the prefill budget per pass (the model's
+    prefill chunk by default). max_context does not change the count (accepted for the callers
+    that state it)."""
     served = served_block_sizes or block_sizes
     paddings = token_paddings(max_pass_tokens(max_block=max(served), prefill_budget=chunk_size))
     variants = 2 if sample else 1
