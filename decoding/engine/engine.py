@@ -223,11 +223,17 @@ class Engine:
         commit = lambda tree: jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), tree)
         self.state = commit(jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
             shapes.slots, shapes.num_pages, shapes.page_size))
+        self.slots = self._empty_slot_states()
+
+    def _empty_slot_states(self) -> SlotStates:
+        """Every mode's slot structure with no request, on the devices (committed, as the programs'
+        outputs are: an uncommitted argument would be another program)."""
+        shapes, context = self.shapes, self.context
         mesh_sharding = getattr(self.model, "mesh_sharding", None)
-        self.slots = commit(jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
-                                                             vocab=context.vocab, ids=context.ids,
-                                                             template=self.template(Mode.DIFFUSION)),
-                                           None if mesh_sharding is None else mesh_sharding.replicated()))
+        slots = jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block, vocab=context.vocab,
+                                                 ids=context.ids, template=self.template(Mode.DIFFUSION)),
+                               None if mesh_sharding is None else mesh_sharding.replicated())
+        return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), slots)
 
     def template(self, mode: Mode) -> PreparedRequest:
         """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
@@ -493,45 +499,66 @@ class Engine:
         self._apply(ran, reports)
 
     def _decide(self, logits, ran: list[Tracked]) -> dict:
-        """Every decision the pass's requests need, run on the device; their reports on the host."""
+        """Every decision the pass's requests need, run on the device; their reports on the host. A
+        decision that fails fails the requests of its mode alone (that mode's slot structure is made
+        again); the other modes decide on."""
         context, slots = self.context, self.shapes.slots
         mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
         deciding = [t for t in ran if t.ran_decode]
-        reports = {}
+        jobs = []  # (report key, slot structure, program, its arguments after the structure, static arguments)
         for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
             chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
-            committed = mask_of([t for t in chosen if t.commits])
-            self.slots, reports[f"diffusion/{size}"] = self._call(
-                decisions.decide_diffusion, self.slots.diffusion, logits, mask_of(chosen), committed, context.ids,
-                block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
-                scores=any(t.prepared.logprobs is not None for t in chosen))
+            jobs.append((f"diffusion/{size}", "diffusion", decisions.decide_diffusion,
+                         (logits, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
+                         dict(block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
+                              scores=any(t.prepared.logprobs is not None for t in chosen))))
         chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
         if chosen:
-            self.slots, reports["autoregressive"] = self._call(
-                decisions.decide_autoregressive, self.slots.autoregressive, logits, mask_of(chosen), context.ids,
-                sample=any(t.prepared.config.do_sample for t in chosen))
+            jobs.append(("autoregressive", "autoregressive", decisions.decide_autoregressive,
+                         (logits, mask_of(chosen), context.ids),
+                         dict(sample=any(t.prepared.config.do_sample for t in chosen))))
         for verifying in (False, True):
             for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
                 chosen = [t for t in deciding if t.mode == Mode.SELF_SPECULATIVE and t.block_size == size
                           and t.verifying == verifying]
                 if chosen:
-                    program = decisions.decide_verified if verifying else decisions.decide_drafts
-                    self.slots, reports[f"{'verified' if verifying else 'drafts'}/{size}"] = self._call(
-                        program, self.slots.speculative, logits, mask_of(chosen), context.ids, block_size=size)
-        return jax.device_get(reports)
+                    jobs.append((f"{'verified' if verifying else 'drafts'}/{size}", "speculative",
+                                 decisions.decide_verified if verifying else decisions.decide_drafts,
+                                 (logits, mask_of(chosen), context.ids), dict(block_size=size)))
+        reports, failed = {}, {}
+        for key, field, program, args, static in jobs:
+            if field in failed:
+                continue
+            try:
+                structure, report = program(getattr(self.slots, field), *args, **static)
+                self.slots = self.slots._replace(**{field: structure})
+                reports[key] = jax.device_get(report)
+            except Exception as error:
+                logger.exception("the %s decision failed; failing the requests of its mode", key)
+                failed[field] = f"decoding step failed: {type(error).__name__}: {error}"
+        if failed:
+            self._fail_modes(failed)
+        return reports
 
-    def _call(self, program, structure, *args, **static) -> tuple[SlotStates, Any]:
-        """Run a decision on one mode's structure; returns the slot states with it replaced, and the report."""
-        updated, report = program(structure, *args, **static)
-        field = {decisions.decide_diffusion: "diffusion", decisions.decide_autoregressive: "autoregressive"}.get(
-            program, "speculative")
-        return self.slots._replace(**{field: updated}), report
+    def _fail_modes(self, failed: dict[str, str]) -> None:
+        """Fail every request whose mode's slot structure a failed decision may have consumed, and
+        make those structures again."""
+        field_of = {Mode.DIFFUSION: "diffusion", Mode.AUTOREGRESSIVE: "autoregressive",
+                    Mode.SELF_SPECULATIVE: "speculative"}
+        for tracked in list(self._held.values()):
+            if field_of[tracked.mode] in failed:
+                unplan(tracked)
+                self._fail(tracked, failed[field_of[tracked.mode]])
+        empty = self._empty_slot_states()
+        self.slots = self.slots._replace(**{field: getattr(empty, field) for field in failed})
 
     def _apply(self, ran: list[Tracked], reports: dict) -> None:
         """The pass's effects on each request it ran, then their events."""
         eos = self.context.eos
         outcomes = []
         for tracked in ran:
+            if tracked.done:  # failed with its mode's decision
+                continue
             if tracked.ran_prefill:
                 tracked.filled += tracked.ran_prefill
                 if self.prefix_cache is not None and tracked.store_at and tracked.filled == tracked.store_at:
