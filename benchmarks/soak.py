@@ -40,7 +40,6 @@ import argparse
 import collections
 import ctypes
 import gc
-import itertools
 import logging
 import os
 import sys

@@ -51,11 +51,11 @@ def compiled_programs() -> int:
 
 @dataclasses.dataclass
 class Precompiled:
-    """What `precompile` did: programs compiled (by kind), seconds, and what the set is."""
+    """What `precompile` did: programs compiled (by function), seconds, and what the set covers."""
 
     programs: int
     seconds: float
-    what: str
+    covers: str
     by_kind: dict = dataclasses.field(default_factory=dict)
 
 
@@ -167,10 +167,10 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
     grown = {name: count - before[name] for name, count in _programs_by_function().items() if count > before[name]}
     programs = sum(grown.values())
     seconds = time.perf_counter() - started
-    what = (f"{len(shapes.paddings)} forward passes ({shapes.paddings[0]}..{shapes.paddings[-1]} tokens) and the "
+    covers = (f"{len(shapes.paddings)} forward passes ({shapes.paddings[0]}..{shapes.paddings[-1]} tokens) and the "
             f"decisions of {', '.join(mode.value for mode in modes)} at block sizes {sorted(set(block_sizes))}")
-    logger.info("precompiled %d programs in %.1f s: %s", programs, seconds, what)
-    return Precompiled(programs, seconds, what, grown)
+    logger.info("precompiled %d programs in %.1f s: %s", programs, seconds, covers)
+    return Precompiled(programs, seconds, covers, grown)
 
 
 @contextlib.contextmanager

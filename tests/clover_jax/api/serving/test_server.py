@@ -10,7 +10,6 @@ import json
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
