@@ -169,7 +169,7 @@ class MeshSharding:
         layers = {}
         for name, layer in state.layers.items():
             if isinstance(layer, KVPages):
-                pages = self.sharding(("layers", None, None, "kv_heads", None))
+                pages = self.sharding(("layers", None, "kv_heads", None, None))
                 layers[name] = KVPages(pages, pages)
             else:
                 layers[name] = GDNState(conv=self.sharding(("layers", None, None, None)),

@@ -111,3 +111,29 @@ def test_layout_refuses_work_that_does_not_fit():
         layout([SlotWork(1, 0, (), tuple(range(9)))], num_tokens=16, page_table=table, max_block=8, logit_width=9,
                chunk=16)
     assert chunk_shape(16, 4, 64) == (5, 16) and chunk_shape(256, 4, 64) == (8, 64)
+
+
+def test_the_pallas_kernel_over_pages_equals_the_xla_rule_in_the_pass(setup):
+    """The same pass with the paged attention kernel (`KernelChoice.pages="pallas"`, interpreted on
+    CPU) and with the plain-JAX rule: logits and pages to float rounding."""
+    import dataclasses
+
+    from clover_jax.nn.model import TransformerPasses
+
+    model, run, table, state = setup
+    config = model.config
+    kernel = TransformerPasses(model.module.clone(kernels=dataclasses.replace(model.kernels, pages="pallas")))
+    run_kernel = jax.jit(lambda ids, batch, state: kernel.ragged(
+        model.run_params, jnp.asarray(ids), batch, state, coreset=config.moe_block_coreset_enabled,
+        coreset_top_p=config.moe_block_coreset_top_p))
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(2, MASK_ID, n).tolist() for n in (13, 8)]
+    works = [SlotWork(s, 0, tuple(p), logit_rows=(len(p) - 1,)) for s, p in enumerate(prompts)]
+    ids, batch = layout(works, num_tokens=64, page_table=table, max_block=8, logit_width=9, chunk=16)
+    first = run(ids, batch, state)
+    works = [SlotWork(0, 13, (5, 6, 7), tuple([MASK_ID] * 8), True, tuple(range(3, 11))),
+             SlotWork(1, 8, (9,), (), True, (0,))]
+    ids, batch = layout(works, num_tokens=64, page_table=table, max_block=8, logit_width=9, chunk=16)
+    plain, pallas = run(ids, batch, first.state), run_kernel(ids, batch, first.state)
+    close(pallas.logits[0, :8], plain.logits[0, :8])
+    close(pallas.logits[1, :1], plain.logits[1, :1])
