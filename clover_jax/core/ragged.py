@@ -196,8 +196,11 @@ class SlotWork(NamedTuple):
 
 def chunk_shape(num_tokens: int, num_slots: int, chunk: int) -> tuple[int, int]:
     """(chunks, rows per chunk) of a pass of `num_tokens` padded tokens: segments start whole
-    chunks, so at most one partial chunk per slot beside the full ones."""
-    rows = min(chunk, num_tokens)
+    chunks, so at most one partial chunk per slot beside the full ones. A chunk holds about a slot's
+    share of the pass (a power of two from 16 up to `chunk`): a pass of many short segments (commits,
+    tokens) pays for short chunks, a long prefill's pass for long ones."""
+    share = max(1, num_tokens // max(num_slots, 1))
+    rows = min(chunk, num_tokens, max(16, 1 << (share.bit_length() - 1)))
     return -(-num_tokens // rows) + num_slots, rows
 
 

@@ -131,7 +131,8 @@ class GatedAttention(nn.Module):
             out = paged_kernel(query * config.head_dim ** -0.5, pages, group, batch, limit, self.kernels,
                                self.mesh_sharding)
         else:
-            out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.slot, limit)
+            out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.tile_rows,
+                                  batch.tile_slot, limit)
         return self._output(out[None], gate), pages
 
     def _output(self, out: jax.Array, gate: jax.Array) -> jax.Array:

@@ -67,7 +67,7 @@ def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Se
     slots = jax.tree_util.tree_map(whole, jax.eval_shape(lambda: slot_states.empty_slot_states(
         slots=shapes.slots, max_block=shapes.max_block, vocab=config.vocab_size, ids=ids,
         template=template(Mode.DIFFUSION))))
-    logits = whole(jax.ShapeDtypeStruct((shapes.slots, shapes.logit_width, config.vocab_size), jnp.float32))
+    hidden = whole(jax.ShapeDtypeStruct((shapes.slots, shapes.logit_width, config.hidden_size), jnp.dtype(dtype)))
     none = whole(jax.ShapeDtypeStruct((shapes.slots,), jnp.bool_))
     slot = whole(jax.ShapeDtypeStruct((), jnp.int32))
     ids_placed = jax.tree_util.tree_map(lambda leaf: whole(_abstract(leaf)), ids)
@@ -88,15 +88,16 @@ def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Se
             function = functools.partial(decisions.forward, passes)  # the pass interface is static
             args, static = (params, state, place(token_ids), place(batch), top_p), {"coreset": coreset}
         elif program.function == "decide_diffusion":
-            function = decisions.decide_diffusion
-            args = (slots.diffusion, logits, none, none, ids_placed)
+            function = functools.partial(decisions.decide_diffusion, passes)
+            args = (params, slots.diffusion, hidden, none, none, ids_placed)
             static = {"block_size": program.block_size, "sample": program.sample, "scores": program.scores}
         elif program.function == "decide_autoregressive":
-            function, args = decisions.decide_autoregressive, (slots.autoregressive, logits, none, ids_placed)
+            function = functools.partial(decisions.decide_autoregressive, passes)
+            args = (params, slots.autoregressive, hidden, none, ids_placed)
             static = {"sample": program.sample}
         elif program.function in ("decide_drafts", "decide_verified"):
-            function = getattr(decisions, program.function)
-            args, static = (slots.speculative, logits, none, ids_placed), {"block_size": program.block_size}
+            function = functools.partial(getattr(decisions, program.function), passes)
+            args, static = (params, slots.speculative, hidden, none, ids_placed), {"block_size": program.block_size}
         elif program.function == "put_slot":
             field = fields[program.mode]
             entry = _entry(template(program.mode), field, shapes, ids, config.vocab_size)

@@ -42,6 +42,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -79,6 +80,10 @@ from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID
 from decoding.validation import model_defaults
 
 logger = logging.getLogger(__name__)
+
+
+# Prompt tokens a pass takes beside running requests at least, when prefill is balanced against them.
+BALANCED_PREFILL_FLOOR = 64
 
 
 class QueueFull(Exception):
@@ -145,13 +150,18 @@ class Engine:
     `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens; block_sizes: the
     block sizes requests may decode with (default: the checkpoint's, 16, 32 and 64);
     kv_cache_bytes: the K/V page pool's size (default `shapes.EngineShapes.pool_pages`'s rule);
-    page_size: positions per page (default 16, or what divides the prefix cache's grid).
+    page_size: positions per page (default 16, or what divides the prefix cache's grid);
+    balance_prefill: while requests decode, a pass takes at most as many prompt tokens as their
+    rows (at least `BALANCED_PREFILL_FLOOR`), rather than the whole `prefill_budget`. Default: on a
+    CPU, where a pass's time follows its rows; not on a TPU or GPU, where a pass of a few hundred
+    rows is bound by reading the weights and prompt rows ride nearly free.
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
                  max_context: int | None = None, prefill_budget: int | None = None, prefix_cache_bytes: int = 0,
                  prefix_cache_grid: int = DEFAULT_GRID, *, block_sizes: Sequence[int] | None = None,
-                 kv_cache_bytes: int | None = None, page_size: int | None = None):
+                 kv_cache_bytes: int | None = None, page_size: int | None = None,
+                 balance_prefill: bool | None = None):
         for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0),
                                  ("prefix_cache_bytes", prefix_cache_bytes, 0),
                                  ("prefix_cache_grid", prefix_cache_grid, 1)):
@@ -181,6 +191,7 @@ class Engine:
                                         prefix_cache_bytes=prefix_cache_bytes)
         self.block_sizes = self.shapes.block_sizes
         self.prefill_budget = self.shapes.prefill_budget
+        self.balance_prefill = jax.default_backend() == "cpu" if balance_prefill is None else bool(balance_prefill)
         self.pool = PagePool(self.shapes.num_pages)
         self.page_bytes = page_bytes(model.config, self.shapes.page_size, model.dtype)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid, pool=self.pool,
@@ -208,6 +219,8 @@ class Engine:
         self._numbers = itertools.count()
         self._closed = False
         self.steps = 0                                             # passes run
+        # the latest passes: (monotonic start, seconds, tokens, prompt tokens among them) each
+        self.passes: collections.deque = collections.deque(maxlen=4096)
         self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
         self.compiled_on_demand = 0                                 # programs compiled after it (logged)
         self.finished: collections.Counter = collections.Counter()  # requests ended, by finish reason
@@ -450,7 +463,12 @@ class Engine:
                 break
             works.append(work)
             budget -= len(work.causal) + len(work.block)
+        decoding_rows = self.shapes.max_tokens - budget
         prefill = self.prefill_budget
+        if decoding_rows and self.balance_prefill:
+            # beside running requests, a prompt takes about as many rows as they do: their step costs
+            # at most about twice a step without it where a pass's cost follows its rows (a CPU)
+            prefill = min(prefill, max(BALANCED_PREFILL_FLOOR, decoding_rows))
         for tracked in held:
             if tracked.decoding or tracked.done or prefill <= 0 or budget <= 0:
                 continue
@@ -479,6 +497,7 @@ class Engine:
 
     def _run(self, works: list) -> None:
         shapes, context = self.shapes, self.context
+        started = time.monotonic()
         ran = [self._by_slot(work.slot) for work in works]
         try:
             for tracked, work in zip(ran, works, strict=True):
@@ -486,9 +505,9 @@ class Engine:
             rows = sum(len(work.causal) + len(work.block) for work in works)
             ids, batch = layout(works, num_tokens=shapes.padding_for(rows), page_table=self.page_table,
                                 max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
-            logits, self.state = decisions.forward(context.passes, context.params, self.state, ids, batch,
+            hidden, self.state = decisions.forward(context.passes, context.params, self.state, ids, batch,
                                                    context.coreset_top_p, coreset=context.coreset)
-            reports = self._decide(logits, ran)
+            reports = self._decide(hidden, ran)
         except Exception as error:
             for tracked in ran:
                 unplan(tracked)
@@ -497,8 +516,10 @@ class Engine:
             return
         self.steps += 1
         self._apply(ran, reports)
+        rows = sum(len(work.causal) + len(work.block) for work in works)
+        self.passes.append((started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran)))
 
-    def _decide(self, logits, ran: list[Tracked]) -> dict:
+    def _decide(self, hidden, ran: list[Tracked]) -> dict:
         """Every decision the pass's requests need, run on the device; their reports on the host. A
         decision that fails fails the requests of its mode alone (that mode's slot structure is made
         again); the other modes decide on."""
@@ -509,13 +530,13 @@ class Engine:
         for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
             chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
             jobs.append((f"diffusion/{size}", "diffusion", decisions.decide_diffusion,
-                         (logits, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
+                         (hidden, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
                          dict(block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
                               scores=any(t.prepared.logprobs is not None for t in chosen))))
         chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
         if chosen:
             jobs.append(("autoregressive", "autoregressive", decisions.decide_autoregressive,
-                         (logits, mask_of(chosen), context.ids),
+                         (hidden, mask_of(chosen), context.ids),
                          dict(sample=any(t.prepared.config.do_sample for t in chosen))))
         for verifying in (False, True):
             for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
@@ -524,13 +545,14 @@ class Engine:
                 if chosen:
                     jobs.append((f"{'verified' if verifying else 'drafts'}/{size}", "speculative",
                                  decisions.decide_verified if verifying else decisions.decide_drafts,
-                                 (logits, mask_of(chosen), context.ids), dict(block_size=size)))
+                                 (hidden, mask_of(chosen), context.ids), dict(block_size=size)))
         reports, failed = {}, {}
         for key, field, program, args, static in jobs:
             if field in failed:
                 continue
             try:
-                structure, report = program(getattr(self.slots, field), *args, **static)
+                structure, report = program(context.passes, context.params, getattr(self.slots, field), *args,
+                                            **static)
                 self.slots = self.slots._replace(**{field: structure})
                 reports[key] = jax.device_get(report)
             except Exception as error:

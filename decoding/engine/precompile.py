@@ -173,7 +173,8 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
     modes = list(dict.fromkeys(as_mode(mode) for mode in modes))
     shapes, context = engine.shapes, engine.context
     none = np.zeros(shapes.slots, bool)
-    logits = None
+    hidden = None
+    model = (context.passes, context.params)
     for program in served_set(modes=modes, block_sizes=block_sizes, paddings=shapes.paddings, sample=sample,
                               prefix_cache=engine.prefix_cache is not None):
         check_mapping_headroom()
@@ -181,19 +182,19 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
         if program.function == "forward":
             ids, batch = layout([], num_tokens=program.tokens, page_table=engine.page_table,
                                 max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
-            logits, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
+            hidden, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
                                                      context.coreset_top_p, coreset=context.coreset)
         elif program.function == "decide_diffusion":
-            structure, _ = decisions.decide_diffusion(slots.diffusion, logits, none, none, context.ids,
+            structure, _ = decisions.decide_diffusion(*model, slots.diffusion, hidden, none, none, context.ids,
                                                       block_size=program.block_size, sample=program.sample,
                                                       scores=program.scores)
             engine.slots = slots._replace(diffusion=structure)
         elif program.function == "decide_autoregressive":
-            structure, _ = decisions.decide_autoregressive(slots.autoregressive, logits, none, context.ids,
+            structure, _ = decisions.decide_autoregressive(*model, slots.autoregressive, hidden, none, context.ids,
                                                            sample=program.sample)
             engine.slots = slots._replace(autoregressive=structure)
         elif program.function in ("decide_drafts", "decide_verified"):
-            structure, _ = getattr(decisions, program.function)(slots.speculative, logits, none, context.ids,
+            structure, _ = getattr(decisions, program.function)(*model, slots.speculative, hidden, none, context.ids,
                                                                 block_size=program.block_size)
             engine.slots = slots._replace(speculative=structure)
         elif program.function == "put_slot":

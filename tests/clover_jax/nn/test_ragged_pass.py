@@ -11,6 +11,8 @@ and the state each slot is left with is the one the next pass needs.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +24,21 @@ from tests.conftest import MASK_ID
 SLOTS, PAGE, PAGES_PER_SLOT = 4, 4, 16
 
 
+class Pass(NamedTuple):
+    logits: jax.Array
+    state: Any
+
+
 @pytest.fixture(scope="module")
 def setup(clover):
     passes, params = clover.passes, clover.run_params
     config = clover.config
     coreset, top_p = config.moe_block_coreset_enabled, config.moe_block_coreset_top_p
-    run = jax.jit(lambda ids, batch, state: passes.ragged(params, jnp.asarray(ids), batch, state, coreset=coreset,
-                                                          coreset_top_p=top_p))
+    def ragged(ids, batch, state):  # (each slot's logit rows' logits [S, W, vocab], the state after the pass)
+        out = passes.ragged(params, jnp.asarray(ids), batch, state, coreset=coreset, coreset_top_p=top_p)
+        return Pass(passes.head_logits(params, out.hidden), out.state)
+
+    run = jax.jit(ragged)
     # slot s holds pages 1 + s * 16 ...: a shuffled pool would do as well; page 0 is the padding rows'
     table = np.arange(1, 1 + SLOTS * PAGES_PER_SLOT).reshape(SLOTS, PAGES_PER_SLOT)[:, ::-1].copy()
     state = jax.jit(lambda: passes.new_paged_state(SLOTS, 1 + SLOTS * PAGES_PER_SLOT, PAGE))()
@@ -123,9 +133,12 @@ def test_the_pallas_kernel_over_pages_equals_the_xla_rule_in_the_pass(setup):
     model, run, table, state = setup
     config = model.config
     kernel = TransformerPasses(model.module.clone(kernels=dataclasses.replace(model.kernels, pages="pallas")))
-    run_kernel = jax.jit(lambda ids, batch, state: kernel.ragged(
-        model.run_params, jnp.asarray(ids), batch, state, coreset=config.moe_block_coreset_enabled,
-        coreset_top_p=config.moe_block_coreset_top_p))
+    def ragged(ids, batch, state):
+        out = kernel.ragged(model.run_params, jnp.asarray(ids), batch, state, coreset=config.moe_block_coreset_enabled,
+                            coreset_top_p=config.moe_block_coreset_top_p)
+        return Pass(kernel.head_logits(model.run_params, out.hidden), out.state)
+
+    run_kernel = jax.jit(ragged)
     rng = np.random.RandomState(1)
     prompts = [rng.randint(2, MASK_ID, n).tolist() for n in (13, 8)]
     works = [SlotWork(s, 0, tuple(p), logit_rows=(len(p) - 1,)) for s, p in enumerate(prompts)]
