@@ -76,7 +76,7 @@ from decoding.engine.work import (
 from decoding.generation_config import TOKEN_ID_FIELDS
 from decoding.layouts import token_ids_of
 from decoding.modes import Mode, strategy
-from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID
+from decoding.serving_defaults import DEFAULT_GRID
 from decoding.validation import model_defaults
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,8 @@ class Engine:
     `max_position_embeddings`); prefill_budget: prompt tokens prefilled per pass (default: the
     model's prefill chunk); prefix_cache_bytes: the prefix cache's budget (0: no cache;
     `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens; block_sizes: the
-    block sizes requests may decode with (default: the checkpoint's, 16, 32 and 64);
+    block sizes requests may decode with (default: the checkpoint's; every slot's block is held
+    as wide as the widest, so a pass's block work follows it: `clover-jax serve` adds 16, 32 and 64);
     kv_cache_bytes: the K/V page pool's size (default `shapes.EngineShapes.pool_pages`'s rule);
     page_size: positions per page (default 16, or what divides the prefix cache's grid);
     balance_prefill: while requests decode, a pass takes at most as many prompt tokens as their
@@ -181,7 +182,8 @@ class Engine:
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
-        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size, *DEFAULT_BLOCK_SIZES})
+        # every block size is a row of the slots' block windows: a size not served costs the widest's rows
+        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size})
         if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
             raise ValueError(f"block_sizes must be positive integers, got {list(sizes)}")
         grid = prefix_cache_grid if prefix_cache_bytes else None

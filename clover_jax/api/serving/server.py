@@ -17,7 +17,7 @@ import uvicorn
 
 from clover_jax.api.serving.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, create_app
 from clover_jax.api.serving.service import Service
-from decoding.serving_defaults import DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
+from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,12 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     tokenizer = Tokenizer.from_pretrained(adapter) if adapter else Tokenizer.from_pretrained(path, revision=revision)
     model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, adapter=adapter,
                                         **placement.load_options())
+    from decoding.validation import model_defaults
+
+    sizes = tuple(block_sizes) if block_sizes else (model_defaults(model).block_size, *DEFAULT_BLOCK_SIZES)
     engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid,
-                    block_sizes=tuple(block_sizes) if block_sizes else None, kv_cache_bytes=kv_cache_bytes)
+                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid, block_sizes=sizes,
+                    kv_cache_bytes=kv_cache_bytes)
     return Service(model, tokenizer, engine, name or str(path), engine.block_sizes)
 
 
