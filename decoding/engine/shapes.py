@@ -70,10 +70,12 @@ def free_device_bytes() -> int | None:
 def pool_pages(*, slots: int, pages_per_slot: int, page_size_bytes: int, prefix_cache_bytes: int,
                free_bytes: int | None) -> int:
     """The default pool: a page for every position of every slot at the full context, and the prefix
-    cache's budget in pages, plus the page padding rows write to — at most `POOL_SHARE_OF_FREE` of
-    the device memory free after the weights where the device says, and never fewer than one
-    request at the full context needs."""
-    wanted = slots * pages_per_slot + prefix_cache_bytes // page_size_bytes + 1
+    cache's budget in pages up to as many again (the cache keeps what finished requests leave in
+    pages of the pool, and gives them back when running requests need them), plus the page padding
+    rows write to — at most `POOL_SHARE_OF_FREE` of the device memory free after the weights where
+    the device says, and never fewer than one request at the full context needs."""
+    running = slots * pages_per_slot
+    wanted = running + min(prefix_cache_bytes // page_size_bytes, running) + 1
     if free_bytes is None:
         return wanted
     affordable = int(free_bytes * POOL_SHARE_OF_FREE) // page_size_bytes

@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the warm-up request that compiles the default decoding before serving")
     serve.add_argument("--kv-cache-gb", type=float_arg, default=None, metavar="GIB",
                        help="device memory for the K/V page pool, in GiB (default: every running request at the "
-                            "full context plus the prefix cache's budget, at most 60%% of the memory the device has "
-                            "free after the weights; docs/serving.md)")
+                            "full context, plus the prefix cache's budget up to as much again, at most 60%% of the "
+                            "memory the device has free after the weights; docs/serving.md)")
     serve.add_argument("--precompile", nargs="?", const="all", default=None, metavar="MODE,MODE,...",
                        help="before the port opens, compile the served modes (all three, or those named: "
                             "diffusion, autoregressive, self_speculative) at every --block-sizes: one forward per "
