@@ -81,7 +81,7 @@ class _OrbaxWriteErrors(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        from weights.orbax_checkpoint import write_error_number
+        from weights.write_errors import write_error_number
 
         error = record.exc_info[1] if record.exc_info else None
         number = write_error_number(error) if isinstance(error, Exception) else None
@@ -197,7 +197,7 @@ class Saver:
         try:
             yield
         except Exception as error:
-            from weights.orbax_checkpoint import write_error_number
+            from weights.write_errors import write_error_number
 
             number = write_error_number(error)
             if number is None:

@@ -233,7 +233,6 @@ def train_tiny_base(out_dir: str = BASE_DIR, recipe: Recipe = BASE_RECIPE, progr
     """Train the autoregressive base (next-token loss only) and write it to `out_dir` as a
     `qwen3_5_moe_text` checkpoint."""
     from clover_jax.model.clover_model import CloverModel
-    from clover_jax.training.trainer import next_token_training
 
     with tempfile.TemporaryDirectory(prefix="tiny-base-") as scratch:
         start = os.path.join(scratch, "initial")
