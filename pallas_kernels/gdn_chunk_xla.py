@@ -97,6 +97,46 @@ def chunk_scan(query, key, value, decay, beta, state, *, chunk_size: int, resets
     return out, state, None if before is None else jnp.moveaxis(before, 0, 1)
 
 
+def slot_chunk_scan(query, key, value, decay, beta, states, chunk_slot, chunk_first):
+    """The chunked rule over the serving engine's ragged chunks, each segment starting from its
+    slot's state (`clover_jax.core.ragged`).
+
+    query, key: [chunks, C, key_heads, key_dim]; value: [chunks, C, value_heads, value_dim];
+    decay, beta: [chunks, C, value_heads] (padding rows zero: they leave a state as it is);
+    states: float32 [slots, value_heads, key_dim, value_dim]; chunk_slot: int32 [chunks], each
+    chunk's slot; chunk_first: bool [chunks], the chunk starts its segment (the running state
+    restarts from its slot's). A segment's chunks follow each other in order.
+    returns (float32 out [chunks, C, value_heads, value_dim], float32 states: every slot's after its
+             segment's last chunk, the others' as given)
+    """
+    num_value_heads = value.shape[2]
+    repeat = lambda x: jnp.repeat(x, num_value_heads // x.shape[2], axis=2).astype(jnp.float32)
+    head_major = lambda x: jnp.moveaxis(x, 2, 1)[:, None]  # [chunks, 1, heads, C, ...]: a batch of one
+    query, key = head_major(repeat(query)), head_major(repeat(key))
+    value, beta = head_major(value.astype(jnp.float32)), head_major(beta.astype(jnp.float32))
+    cumulative = jnp.cumsum(head_major(decay.astype(jnp.float32)), axis=-1)
+    states = states.astype(jnp.float32)
+
+    def step(carry, chunk):
+        state, table = carry
+        query_c, key_c, value_c, beta_c, cumulative_c, slot, first = chunk
+        state = jnp.where(first, table[slot][None], state)
+        new_value, decayed_key, query_decayed, key_to_chunk_end, intra, decay_c = _chunk_terms(
+            query_c, key_c, value_c, beta_c, cumulative_c)
+        correction = new_value - jnp.einsum("bhcd,bhde->bhce", decayed_key, state, precision=_EXACT)
+        out = (jnp.einsum("bhcd,bhde->bhce", query_decayed, state, precision=_EXACT)
+               + jnp.einsum("bhij,bhje->bhie", intra, correction, precision=_EXACT))
+        state = state * decay_c[..., None, None] + jnp.einsum(
+            "bhcd,bhce->bhde", key_to_chunk_end, correction, precision=_EXACT)
+        # every chunk writes its slot's entry; a segment's last chunk writes last
+        table = jax.lax.dynamic_update_index_in_dim(table, state[0], slot, 0)
+        return (state, table), out[0]
+
+    initial = (jnp.zeros((1,) + states.shape[1:], jnp.float32), states)
+    (_, states), out = jax.lax.scan(step, initial, (query, key, value, beta, cumulative, chunk_slot, chunk_first))
+    return jnp.moveaxis(out, 1, 2), states  # [chunks, C, heads, value_dim]
+
+
 def _chunk_terms(query, key, value, beta, cumulative):
     """The chunk-local terms of one chunk of every head (the UT transform).
 

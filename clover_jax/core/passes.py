@@ -12,6 +12,10 @@ callers run, with named arguments:
 | `denoise`            | none                 | all        | every row               | denoising steps                 |
 | `commit_and_denoise` | the committed tokens | the block  | the block's (or all)    | block commits, drafts, training |
 | `recording_causal`   | all, recorded        | none       | every row               | self-speculative verification   |
+| `ragged`             | each slot's segment  | each slot's | the rows it names      | the serving engine's step       |
+
+`ragged` runs the serving engine's step over a `clover_jax.core.ragged.PagedState` (K/V in pages,
+GDN states in slots): every slot's causal segment, then its block, in one flat row of tokens.
 
 The model side (`clover_jax.nn.model.TransformerPasses`) implements four primitives — `run` (one
 pass, every argument named), `new_state`, `recording` and `rolled_back` — and holds what they
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from clover_jax.core.config import CloverConfig
+    from clover_jax.core.ragged import PagedBatch, PagedState
     from clover_jax.core.state import ModelState
 
 Params = dict[str, Any]
@@ -84,6 +89,20 @@ class ModelPasses(abc.ABC):
     def new_state(self, batch: int, capacity: int, start: jax.Array | None = None) -> "ModelState":
         """Inside a trace: an empty state of `capacity` rows, `start` (int [batch]) marking left
         padding, placed as the model's mesh places states."""
+
+    @abc.abstractmethod
+    def ragged(self, params: Params, input_ids: jax.Array, batch: "PagedBatch", state: "PagedState", *,
+               coreset: bool, coreset_top_p: Any) -> PassOutput:
+        """The serving engine's step: `input_ids` (int32 [T]) laid out by `batch` over the slots
+        of `state` (`clover_jax.core.ragged`); block rows route within their block's coreset when
+        `coreset`. logits: float32 [S, W, vocab], the rows `batch.logit_rows` names; state: the
+        `PagedState` after every row's K/V is written and every writing causal segment has
+        advanced its slot's GDN state."""
+
+    @abc.abstractmethod
+    def new_paged_state(self, slots: int, num_pages: int, page_size: int) -> "PagedState":
+        """Inside a trace: an empty paged state of `slots` GDN slots and `num_pages` K/V pages of
+        `page_size` positions."""
 
     @abc.abstractmethod
     def recording(self, state: "ModelState", rows: int) -> "ModelState":

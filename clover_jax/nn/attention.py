@@ -25,11 +25,13 @@ from flax import linen as nn
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.ragged import KVPages, PagedBatch, RaggedMode
 from clover_jax.core.state import KVCache, Rows
 from clover_jax.core.streams import StreamMode
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
+from clover_jax.nn.paged_attention import paged_attention, write_pages
 from clover_jax.nn.rope import apply_partial_rope, rope_angles
 from clover_jax.nn.stream_attention import two_stream_attention
 from clover_jax.parallel.sharding import MeshSharding
@@ -61,6 +63,8 @@ class GatedAttention(nn.Module):
         query = RMSNorm(config, self.dtype, name="q_norm")(query)
         key = RMSNorm(config, self.dtype, name="k_norm")(key)
         streams = isinstance(mode, StreamMode)  # a training pass (clover_jax.core.streams): no cache
+        if isinstance(mode, RaggedMode):  # the serving engine's pass (clover_jax.core.ragged): K/V in pages
+            return self._paged(query, key, value, gate, cache, group, rows)
         positions = (jnp.concatenate([rows.positions, rows.noisy_positions(mode.block_size)], axis=1) if streams
                      else rows.positions)
         cos, sin = rope_angles(positions, config.rotary_dim, config.rope_theta)
@@ -108,6 +112,23 @@ class GatedAttention(nn.Module):
         else:
             out = online_attention(query, segments, self.key_block)
         return self._output(out, gate), cache
+
+    def _paged(self, query: jax.Array, key: jax.Array, value: jax.Array, gate: jax.Array, pages: KVPages, group,
+               batch: PagedBatch) -> tuple[jax.Array, KVPages]:
+        """A ragged pass: every row writes its K/V at its slot's position, then attends to its
+        slot's positions [0, limit) (a causal row up to itself, a block row to its block's end).
+        query, gate: [1, T, heads, head_dim]; key, value: [1, T, kv_heads, head_dim];
+        pages: [num_groups, num_pages, page_size, kv_heads, head_dim] each."""
+        config = self.config
+        cos, sin = rope_angles(batch.position[None], config.rotary_dim, config.rope_theta)
+        query, key = apply_partial_rope(query, cos, sin)[0], apply_partial_rope(key, cos, sin)[0]
+        page, row_in_page = batch.page_address(pages.key.shape[2])
+        # written into the stacked pool in place (a slice of our group would be copied out and back)
+        pages = KVPages(write_pages(pages.key, group, key, page, row_in_page),
+                        write_pages(pages.value, group, value[0], page, row_in_page))
+        out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.slot,
+                              jnp.where(batch.valid, batch.limit, 0))
+        return self._output(out[None], gate), pages
 
     def _output(self, out: jax.Array, gate: jax.Array) -> jax.Array:
         """`o_proj(o * sigmoid(gate))`. out, gate: [b, t, heads, head_dim] -> [b, t, hidden]."""

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.core.passes import PassMode
+from clover_jax.core.ragged import PagedBatch, RaggedMode, gather_rows, scatter_rows
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 from clover_jax.core.streams import StreamMode
 from clover_jax.nn.gated_delta import (
@@ -47,17 +48,21 @@ from clover_jax.nn.gdn_streams import two_stream_core
 from clover_jax.nn.layers import GatedRMSNorm, Linear, l2_normalize, table_param
 from clover_jax.nn.short_conv import causal_depthwise_conv, right_context_conv
 from clover_jax.parallel.sharding import MeshSharding
+from pallas_kernels.gdn_chunk_xla import slot_chunk_scan
 
 
 def block_mode_attention(
     query: jax.Array, key: jax.Array, value: jax.Array, state: jax.Array,
     block_logit_scale: jax.Array, memory_logit_bias: jax.Array, block_size_calibration: jax.Array,
+    lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax over the block plus one memory slot read from the prefix state, all float32.
 
     query, key: L2-normalised, unscaled, [batch, block, value_heads, key_dim]
     value: [batch, block, value_heads, value_dim]; state: [batch, value_heads, key_dim, value_dim]
     the three Clover parameters: [value_heads]
+    lengths: None (every row of the block is one), or int32 [batch]: each sequence's block size
+    B, its rows past B padding that no row attends to (the serving engine's blocks of several sizes)
     returns [batch, block, value_heads, value_dim]
     """
     block = query.shape[1]
@@ -65,8 +70,15 @@ def block_mode_attention(
     memory = jnp.einsum("bihk,bhkv->bihv", query / math.sqrt(key_dim), state, precision=jax.lax.Precision.HIGHEST)
     block_logits = jnp.exp(block_logit_scale)[:, None, None] * jnp.einsum(
         "bihk,bjhk->bhij", query, key, precision=jax.lax.Precision.HIGHEST)         # [b, h, i, j]
-    memory_logit = memory_logit_bias + block_size_calibration * math.log(block)   # [h]
-    memory_logit = jnp.broadcast_to(memory_logit[None, :, None, None], block_logits.shape[:3] + (1,))
+    if lengths is None:
+        memory_logit = memory_logit_bias + block_size_calibration * math.log(block)   # [h]
+        memory_logit = jnp.broadcast_to(memory_logit[None, :, None, None], block_logits.shape[:3] + (1,))
+    else:
+        size = jnp.maximum(lengths, 1).astype(jnp.float32)[:, None]
+        memory_logit = (memory_logit_bias + block_size_calibration * jnp.log(size))[:, :, None, None]  # [b, h, 1, 1]
+        memory_logit = jnp.broadcast_to(memory_logit, block_logits.shape[:3] + (1,))
+        inside = jnp.arange(block)[None, :] < lengths[:, None]                           # [b, j]
+        block_logits = jnp.where(inside[:, None, None, :], block_logits, -jnp.inf)
     logits = jnp.concatenate([memory_logit, block_logits], axis=-1)               # [b, h, i, 1 + j]
     weights = jax.nn.softmax(logits, axis=-1)
     return (jnp.einsum("bhi,bihv->bihv", weights[..., 0], memory)
@@ -185,6 +197,10 @@ class GatedDeltaNet(nn.Module):
 
         # Rows before a sequence's start are padding: zero rows leave conv and recurrent state as if absent.
         mixed = jnp.where(rows.valid[..., None], mixed, 0).astype(self.dtype)
+        if isinstance(mode, RaggedMode):  # the serving engine's pass (clover_jax.core.ragged): states in slots
+            return self._ragged(mixed[0], gate, beta_logit[0], decay_logit[0], stacked, group, rows,
+                                conv_weight=conv_weight, right_weight=right_weight, split_qkv=split_qkv,
+                                repeat=repeat, decay_of=decay_of, block_mode=block_mode)
         causal, cores = mode.num_causal, []
         record = None
         if isinstance(stacked, RecordingGDN):
@@ -230,6 +246,61 @@ class GatedDeltaNet(nn.Module):
 
         core = jnp.concatenate(cores, axis=1) if len(cores) > 1 else cores[0]
         return self._output(core, gate), stacked if record is None else RecordingGDN(stacked, record)
+
+    def _ragged(self, mixed: jax.Array, gate: jax.Array, beta_logit: jax.Array, decay_logit: jax.Array,
+                stacked: GDNState, group, batch: PagedBatch, *, conv_weight, right_weight, split_qkv, repeat,
+                decay_of, block_mode) -> tuple[jax.Array, GDNState]:
+        """A ragged pass: each slot's causal segment runs the gated delta rule from the slot's
+        state (in chunks that start at the segment's first row, `slot_chunk_scan`) and, where it
+        writes, advances the slot's conv window and recurrent state; then each slot's block rows
+        run in block mode against the state its causal segment left.
+
+        mixed: [T, conv_dim] (padding rows zero); gate: [1, T, value_dim]; beta_logit, decay_logit:
+        [T, value_heads]; stacked: every group's slot states ([num_groups, S, ...] leaves)."""
+        config = self.config
+        kernel = config.linear_conv_kernel_dim
+        state = jax.tree_util.tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, group, keepdims=False), stacked)
+        window_rows = kernel - 1
+
+        # The causal conv of every row: rows of its own segment before it, then its slot's conv window.
+        conv = mixed * conv_weight[:, window_rows]
+        rows = jnp.arange(mixed.shape[0])
+        for tap in range(window_rows):
+            back = window_rows - tap                                               # rows back this tap reads
+            inside = batch.offset >= back
+            from_rows = gather_rows(mixed, jnp.where(inside, rows - back, mixed.shape[0]))
+            from_window = state.conv[batch.slot, jnp.clip(window_rows - back + batch.offset, 0, window_rows - 1)]
+            conv = conv + jnp.where(inside[:, None], from_rows, from_window.astype(mixed.dtype)) * conv_weight[:, tap]
+        query, key, value = split_qkv(jax.nn.silu(conv)[None])
+        beta, decay = jax.nn.sigmoid(beta_logit), decay_of(decay_logit)
+        chunked = lambda values: gather_rows(values, batch.chunk_rows)
+        out, recurrent = slot_chunk_scan(chunked(query[0] * config.linear_key_head_dim ** -0.5), chunked(key[0]),
+                                         chunked(value[0]), chunked(decay), chunked(beta), state.recurrent,
+                                         batch.chunk_slot, batch.chunk_first)
+        core = scatter_rows(jnp.zeros((mixed.shape[0],) + out.shape[2:], jnp.float32), batch.chunk_rows, out)
+
+        # Each writing slot's conv window after its segment: the last K-1 rows of [window; segment].
+        advances = (batch.writes & (batch.causal_length > 0))[:, None]                        # [S, 1]
+        offsets = batch.causal_length[:, None] - window_rows + jnp.arange(window_rows)[None, :]  # [S, K-1]
+        from_rows = gather_rows(mixed, jnp.where(offsets >= 0, batch.causal_start[:, None] + offsets, mixed.shape[0]))
+        from_window = jnp.take_along_axis(state.conv, jnp.clip(window_rows + offsets, 0, window_rows - 1)[..., None],
+                                          axis=1)
+        new_conv = jnp.where((offsets >= 0)[..., None], from_rows, from_window.astype(mixed.dtype))
+        state = GDNState(conv=jnp.where(advances[..., None], new_conv, state.conv).astype(state.conv.dtype),
+                         recurrent=jnp.where(advances[..., None, None], recurrent, state.recurrent))
+
+        # Block rows: block mode against the state each slot's causal segment left (its block of B_s
+        # rows padded to Bmax with zero rows, which the right-context conv reads as past the block).
+        block = gather_rows(mixed, batch.block_rows)                                           # [S, Bmax, ch]
+        window = jnp.concatenate([state.conv.astype(mixed.dtype), block], axis=1)
+        activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
+        query, key, value = split_qkv(activated)
+        block_core = block_mode(repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent,
+                                lengths=batch.block_length)
+        core = scatter_rows(core, batch.block_rows, block_core)
+        put = lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(
+            all_groups, ours.astype(all_groups.dtype), group, 0)
+        return self._output(core[None], gate), jax.tree_util.tree_map(put, stacked, state)
 
     def _output(self, core: jax.Array, gate: jax.Array) -> jax.Array:
         """The gated RMSNorm with z, then `out_proj`. core: float32 [b, t, value_heads, value_dim];

@@ -41,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
+from clover_jax.core.ragged import PagedBatch, PagedState, RaggedMode, empty_paged_state, gather_rows
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
 from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.nn import rollback
@@ -99,7 +100,8 @@ class DecoderLayer(nn.Module):
         hidden = hidden + mixed
         feed_forward = RMSNorm(config, self.dtype, name="post_attention_layernorm")(hidden)
         feed_forward = SparseMoE(config, self.dtype, self.kernels, self.mesh_sharding, name="mlp")(
-            feed_forward, mode, coreset_top_p, streams=rows if isinstance(mode, StreamMode) else None)
+            feed_forward, mode, coreset_top_p, streams=rows if isinstance(mode, StreamMode) else None,
+            ragged=rows if isinstance(mode, RaggedMode) else None)
         return hidden + feed_forward, state
 
 
@@ -188,7 +190,7 @@ class CloverTransformer(nn.Module):
     def __call__(self, input_ids: jax.Array, state: ModelState | None, num_causal: int | None = None,
                  logits_from: int = 0, coreset: bool = False, coreset_top_p: Any = 1.0,
                  commit: jax.Array | None = None, *, streams: Streams | None = None,
-                 block_size: int | None = None) -> PassOutput | StreamOutput:
+                 block_size: int | None = None, ragged: PagedBatch | None = None) -> PassOutput | StreamOutput:
         """One pass over `input_ids` (int [batch, tokens]) at the end of `state`'s prefix.
 
         num_causal: leading rows that are causal (None: all); logits_from: first row whose logits
@@ -201,13 +203,19 @@ class CloverTransformer(nn.Module):
         A training pass (`streams` given, `state` None): `input_ids` is the clean stream [b, L]
         followed by the noisy blocks [b, N * block_size] (`clover_jax.core.streams`); the result is
         a `StreamOutput` with the final hidden states of both streams, not logits.
+
+        A ragged pass (`ragged` given, `state` a `PagedState`): `input_ids` is [1, T], the
+        serving engine's segments (`clover_jax.core.ragged`); logits are those of the rows
+        `ragged.logit_rows` names, float32 [S, W, vocab], and the state comes back as a `PagedState`.
         """
         config = self.config
         num_tokens = input_ids.shape[1]
         embedding = Embedding(config, self.dtype, name="embed_tokens")
         hidden = constrain_batch(embedding(input_ids), self.mesh_sharding)
         group_args = (config, self.dtype, self.kernels, self.mesh_sharding)
-        if streams is not None:
+        if ragged is not None:
+            rows, mode = ragged, RaggedMode(coreset)
+        elif streams is not None:
             rows, mode = streams, StreamMode(block_size, coreset)
             state = ModelState(length=jnp.zeros((), jnp.int32), start=jnp.zeros(input_ids.shape[:1], jnp.int32),
                                layers={slot_name(slot): None for slot in range(len(config.group_pattern))})
@@ -252,8 +260,13 @@ class CloverTransformer(nn.Module):
                                          params_from_host=self.params_from_host, name="groups")(
                 (hidden, state.layers), jnp.arange(config.num_groups), rows, mode, coreset_top_p)
             sown = self.variables.get("intermediates", {}).get("groups", {}) if collecting else None
-        hidden = RMSNorm(config, self.dtype, name="norm")(hidden[:, logits_from:])
+        norm = RMSNorm(config, self.dtype, name="norm")
         head = embedding.table() if config.tie_word_embeddings else table_param(self, config, "lm_head")
+        if ragged is not None:
+            hidden = norm(gather_rows(hidden[0], ragged.logit_rows))                  # [S, W, hidden]
+            logits = jnp.einsum("swh,vh->swv", hidden, head, preferred_element_type=jnp.float32)
+            return PassOutput(logits, PagedState(layers), None)
+        hidden = norm(hidden[:, logits_from:])
         if streams is not None:
             return StreamOutput(hidden, head, None if sown is None else self.router_stats_by_layer(sown))
         logits = jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
@@ -304,6 +317,14 @@ class TransformerPasses(ModelPasses):
 
     def recording(self, state: ModelState, rows: int) -> ModelState:
         return rollback.recording(state, self.module.config, rows)
+
+    def ragged(self, params: Params, input_ids: jax.Array, batch: PagedBatch, state: PagedState, *, coreset: bool,
+               coreset_top_p: Any) -> PassOutput:
+        return self.module.apply({"params": params}, input_ids[None], state, coreset=coreset,
+                                 coreset_top_p=coreset_top_p, ragged=batch)
+
+    def new_paged_state(self, slots: int, num_pages: int, page_size: int) -> PagedState:
+        return empty_paged_state(self.module.config, slots, num_pages, page_size, self.module.dtype)
 
     def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
         return rollback.rolled_back(state, keep, rows, self.module.kernels)

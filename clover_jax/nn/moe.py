@@ -29,6 +29,7 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import ExpertRule, KernelChoice
 from clover_jax.core.passes import PassMode
 from clover_jax.core.quantization import QuantizedWeight
+from clover_jax.core.ragged import PagedBatch, RaggedMode, gather_rows, scatter_rows
 from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
@@ -129,8 +130,8 @@ class SparseMoE(nn.Module):
     mesh_sharding: MeshSharding | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, mode: PassMode | StreamMode, coreset_top_p: jax.Array | float = 1.0,
-                 streams: Streams | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, mode: PassMode | StreamMode | RaggedMode, coreset_top_p: jax.Array | float = 1.0,
+                 streams: Streams | None = None, ragged: PagedBatch | None = None) -> jax.Array:
         """x: [batch, tokens, hidden] -> [batch, tokens, hidden]. mode: the leading causal rows route
         plainly, the block rows within their coreset when `mode.coreset`. When the "intermediates"
         collection is asked for, the distinct experts of the block rows (int32 [batch]) are sown
@@ -139,12 +140,15 @@ class SparseMoE(nn.Module):
         In a training pass (`mode` a `StreamMode`, `streams` its layout) the clean rows route
         plainly and each noisy block within its own coreset; with "intermediates" asked for, the
         router's statistics over the rows of real examples are sown as "router_stats"
-        (`RouterStats`, for the load-balance and z losses)."""
+        (`RouterStats`, for the load-balance and z losses).
+
+        In a ragged pass (`mode` a `RaggedMode`, `ragged` its layout, x [1, T, hidden]) causal rows
+        route plainly and each slot's block rows within their block's coreset."""
         config = self.config
         batch, num_tokens, hidden = x.shape
         training = isinstance(mode, StreamMode)
         top_k = config.num_experts_per_tok
-        causal = streams.segment.shape[1] if training else mode.num_causal
+        causal = streams.segment.shape[1] if training else num_tokens if ragged is not None else mode.num_causal
         block = mode.block_size if training else num_tokens - causal  # the rows one coreset serves
         x = x.astype(self.dtype)
 
@@ -155,6 +159,10 @@ class SparseMoE(nn.Module):
             router_logits = router_logits + router_update
         probabilities = jax.nn.softmax(router_logits, axis=-1)
         expert_ids, expert_weights = route_top_k(probabilities, top_k)
+        if ragged is not None:
+            expert_ids, expert_weights = self._ragged_routes(probabilities[0], expert_ids[0], expert_weights[0],
+                                                             ragged, mode.coreset, coreset_top_p)
+            expert_ids, expert_weights = expert_ids[None], expert_weights[None]
         if num_tokens > causal:
             by_block = lambda y: y.reshape((-1, block) + y.shape[2:])
             block_probabilities = by_block(probabilities[:, causal:])
@@ -196,6 +204,19 @@ class SparseMoE(nn.Module):
         shared_gate = Linear(config, self.dtype, name="shared_expert_gate")(tokens)
         out = routed + jax.nn.sigmoid(shared_gate) * shared
         return out.reshape(batch, num_tokens, hidden)
+
+    def _ragged_routes(self, probabilities: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array,
+                       batch: PagedBatch, coreset: bool, coreset_top_p) -> tuple[jax.Array, jax.Array]:
+        """A ragged pass's routes ([T, top_k] each): each slot's block rows within the coreset of
+        its block (padding rows of a block window have zero probability: they add no mass), every
+        other row its plain top-k; padding rows carry weight 0."""
+        if coreset:
+            top_k = self.config.num_experts_per_tok
+            window = gather_rows(probabilities, batch.block_rows)                      # [S, Bmax, E]
+            block_ids, block_weights = route_within(window, coreset_mask(window, top_k, coreset_top_p), top_k)
+            expert_ids = scatter_rows(expert_ids, batch.block_rows, block_ids)
+            expert_weights = scatter_rows(expert_weights, batch.block_rows, block_weights)
+        return expert_ids, jnp.where(batch.valid[:, None], expert_weights, 0.0)
 
     def expert_adapters(self) -> ExpertAdapters | None:
         """The routed experts' LoRA factors a LoRA training pass placed beside the stacks
