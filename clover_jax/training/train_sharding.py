@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from clover_jax.core.params import find_param
 from clover_jax.core.quantization import QuantizedWeight, quantized_shardings
-from clover_jax.core.tree_paths import key_names
+from clover_jax.core.tree_paths import get, key_names
 from clover_jax.parallel.sharding import MeshSharding
 
 # Where an offloaded base lives: page-locked host memory, which the chips read by DMA.
@@ -138,7 +138,7 @@ def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any
         names = key_names(path)
         # optax's state nests each moment as a copy of the params tree: the param's path is a suffix
         for start in range(len(names)):
-            if names[start:] in param_paths and tuple(leaf.shape) == tuple(_leaf_shape(state.params, names[start:])):
+            if names[start:] in param_paths and tuple(leaf.shape) == tuple(get(state.params, names[start:]).shape):
                 return param_paths[names[start:]]
         return replicated
 
@@ -189,12 +189,6 @@ def _in_host_memory(stacks: Any, shardings: Any) -> Any:
         return sharding.with_memory_kind(HOST_MEMORY) if offloaded else sharding
 
     return jax.tree_util.tree_map(one, stacks, shardings)
-
-
-def _leaf_shape(tree: Any, names: tuple[str, ...]):
-    for name in names:
-        tree = tree[name]
-    return tree.shape
 
 
 def place(tree: Any, shardings: Any) -> Any:
