@@ -53,9 +53,10 @@ def run_method(name: str, *, data: str, out: str, steps: int, problems, task) ->
     from tokenizers import Tokenizer
 
     from clover_jax import CloverModel
+    from clover_jax.adapters import lora
     from clover_jax.adapters.adapter_io import read_adapter
     from clover_jax.core.params import parameter_counts
-    from clover_jax.training import FinetuneConfig, finetune, lora
+    from clover_jax.training import FinetuneConfig, finetune
     from clover_jax.training.tiny.recipe import BUNDLED_DIR
     from clover_jax.training.tiny.scoring import score_exact_match
 
