@@ -158,12 +158,13 @@ class SequenceFacts(NamedTuple):
 
 class StepRules(NamedTuple):
     """How a step decides. controls: scalars (one for the batch) or [b] arrays (one per sequence);
+    steps_cap: an int (one for the batch) or int32 [b] (one per sequence, the serving engine's);
     choose(processed logits [b, B, V], keys [b]) -> Choice [b, B]; schedule(view) -> Decision,
     `view` a `StepView` whose fields carry a leading [b] axis."""
 
     controls: Controls
     ids: TokenIds
-    steps_cap: int
+    steps_cap: Any
     choose: Callable
     schedule: Callable
 
@@ -212,7 +213,7 @@ def _decide(progress: BlockProgress, facts: SequenceFacts, choice, keys: jax.Arr
         tokens=progress.block, candidates=choice.token, confidence=choice.confidence, margin=choice.margin,
         entropy=choice.entropy, decided=progress.decided, fixed=progress.fixed,
         positions=facts.prompt_length[:, None] + response_index, step=progress.step,
-        block_index=progress.block_index, steps_cap=jnp.full((batch,), rules.steps_cap, jnp.int32),
+        block_index=progress.block_index, steps_cap=_per_sequence(rules.steps_cap, batch),
         post_fill_steps=progress.post_fill, threshold=facts.threshold,
         key=jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
     return as_decision(rules.schedule(view))
@@ -222,13 +223,14 @@ def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, resp
            rules: StepRules) -> tuple[BlockProgress, StepDetails]:
     """The decision applied to the active sequences: the step cap, fills, edits and remasks, the
     counts, and whether the block closes and the sequence finishes."""
-    ids, steps_cap = rules.ids, rules.steps_cap
+    ids = rules.ids
     batch, size = progress.block.shape
+    steps_cap = _per_sequence(rules.steps_cap, batch)
     step, decided, fixed, current = progress.step, progress.decided, progress.fixed, progress.block
     active = ~progress.finished & progress.open
     is_response = response_index >= 0
     full_before = jnp.all(decided, axis=-1)
-    forced = decision.decided | fixed | (step[:, None] + 1 >= steps_cap)
+    forced = decision.decided | fixed | (step[:, None] + 1 >= steps_cap[:, None])
     after = jnp.where(active[:, None], forced, decided)
     filled, remasked = after & ~decided, decided & ~after
     edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
@@ -250,6 +252,11 @@ def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, resp
                                  finished=finished, open=progress.open & ~closing)
     return progress, StepDetails(active=active, choice=choice, filled=filled & active[:, None], edited=edited,
                                  remasked=remasked, masked_before=~decided, closing=closing)
+
+
+def _per_sequence(steps_cap, batch: int) -> jax.Array:
+    """int32 [b]: a step cap given once for the batch or per sequence."""
+    return jnp.broadcast_to(jnp.asarray(steps_cap, jnp.int32), (batch,))
 
 
 def _denoise_logits(d: Decoder, state: LoopState):

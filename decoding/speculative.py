@@ -134,28 +134,34 @@ class RoundOutcome(NamedTuple):
     distinct_experts: jax.Array  # float32: of the draft pass, mean over layers
 
 
-def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
-                      controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, *, max_new_tokens: jax.Array,
-                      model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
-                      active: jax.Array, distinct_experts: bool = False) -> RoundOutcome:
-    """Draft, verify, accept and roll back (the module docstring's steps 1–4) for every sequence at
-    once; each at its own fill (`model.length` int32 [b]). Shared by `run_self_speculative` and the
-    serving engine. controls: one for the batch (scalars) or one per sequence ([b] arrays). The
-    draft pass's distinct experts are collected only with `distinct_experts` (zeros otherwise)."""
-    batch = pending.shape[0]
-    rows = jnp.arange(size)
-    masks = jnp.full((batch, size), ids.mask, jnp.int32)
-    # the pending token's row (appended) and its logits, then the masked block's
-    draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
-                                      coreset_top_p=coreset_top_p, committed_logits=True,
-                                      distinct_experts=distinct_experts)
-    drafts = greedy_processed(draft.logits[:, 1:], counts, lengths[:, None] + rows, prompt_thinking, controls, ids)
-    verify = passes.recording_causal(params, drafts, draft.state)
-    logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
+class Acceptance(NamedTuple):
+    """Step 3 of a round for every sequence ([b] unless noted); sequences not active emit nothing."""
+
+    choices: jax.Array           # int32 [b, B+1]: c_0 … c_B; the first `emitted` are this round's tokens
+    accepted: jax.Array          # int32: leading drafts equal to the causal choices
+    emitted: jax.Array           # int32: tokens emitted (accepted + 1, cut at EOS / max_new_tokens)
+    counts: jax.Array            # int32 [b, vocab]: response tokens emitted, this round's included
+    lengths: jax.Array           # int32: response length after the round
+    finished: jax.Array          # bool: the round emitted an EOS or reached max_new_tokens
+
+
+def draft_tokens(block_logits: jax.Array, counts: jax.Array, lengths: jax.Array, prompt_thinking: jax.Array,
+                 controls: Controls, ids: TokenIds) -> jax.Array:
+    """Step 1's drafts d_0 … d_{B-1} (int32 [b, B]): the greedy choice of `process` at each masked
+    row of the draft pass (block_logits: float32 [b, B, vocab]) with the response so far's counts."""
+    size = block_logits.shape[1]
+    return greedy_processed(block_logits, counts, lengths[:, None] + jnp.arange(size), prompt_thinking, controls, ids)
+
+
+def accept_drafts(logits: jax.Array, drafts: jax.Array, counts: jax.Array, lengths: jax.Array,
+                  prompt_thinking: jax.Array, controls: Controls, ids: TokenIds, *, max_new_tokens: jax.Array,
+                  active: jax.Array) -> Acceptance:
+    """Step 3: the causal choices (logits: float32 [b, B+1, vocab], row j the causal logits before
+    draft position j — the pending row's, then the verification rows'), the accepted run and what
+    the round emits, cut after the first EOS and at max_new_tokens."""
+    batch, size = drafts.shape
     choices = causal_choices(logits, drafts, counts, lengths, prompt_thinking, controls, ids)
     accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
-
-    # Emit c_0 ... c_a, cut after the first EOS and at max_new_tokens.
     offsets = jnp.arange(size + 1)
     is_eos = jnp.any(choices[..., None] == ids.eos, axis=-1) & (offsets <= accepted[:, None])
     through_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, size + 1)
@@ -165,15 +171,37 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
     counts = counts.at[jnp.arange(batch)[:, None], choices].add(written.astype(jnp.int32))
     new_lengths = lengths + emitted
     finished = active & ((through_eos <= emitted) | (new_lengths >= max_new_tokens))
+    return Acceptance(choices, accepted, emitted, counts, new_lengths, finished)
 
-    rolled = passes.rolled_back(verify.state, jnp.where(active, accepted, 0), size)
+
+def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
+                      controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, *, max_new_tokens: jax.Array,
+                      model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
+                      active: jax.Array, distinct_experts: bool = False) -> RoundOutcome:
+    """Draft, verify, accept and roll back (the module docstring's steps 1–4) for every sequence at
+    once; each at its own fill (`model.length` int32 [b]). controls: one for the batch (scalars)
+    or one per sequence ([b] arrays). The draft pass's distinct experts are collected only with
+    `distinct_experts` (zeros otherwise)."""
+    batch = pending.shape[0]
+    masks = jnp.full((batch, size), ids.mask, jnp.int32)
+    # the pending token's row (appended) and its logits, then the masked block's
+    draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
+                                      coreset_top_p=coreset_top_p, committed_logits=True,
+                                      distinct_experts=distinct_experts)
+    drafts = draft_tokens(draft.logits[:, 1:], counts, lengths, prompt_thinking, controls, ids)
+    verify = passes.recording_causal(params, drafts, draft.state)
+    logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
+    out = accept_drafts(logits, drafts, counts, lengths, prompt_thinking, controls, ids,
+                        max_new_tokens=max_new_tokens, active=active)
+
+    rolled = passes.rolled_back(verify.state, jnp.where(active, out.accepted, 0), size)
     rolled = rolled._replace(length=jnp.where(active, rolled.length, model.length))  # not active: frozen
-    next_pending = jnp.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
+    next_pending = jnp.take_along_axis(out.choices, out.accepted[:, None], axis=1)[:, 0]
     distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
                 else jnp.zeros((batch,), jnp.float32))
-    return RoundOutcome(model=rolled, pending=next_pending, choices=choices, emitted=emitted, counts=counts,
-                        lengths=new_lengths, finished=finished, drafts=drafts, accepted=accepted,
-                        distinct_experts=distinct)
+    return RoundOutcome(model=rolled, pending=next_pending, choices=out.choices, emitted=out.emitted,
+                        counts=out.counts, lengths=out.lengths, finished=out.finished, drafts=drafts,
+                        accepted=out.accepted, distinct_experts=distinct)
 
 
 @persistent_jit(static_argnames=("passes", "spec"))

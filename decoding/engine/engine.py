@@ -1,32 +1,36 @@
-"""The serving engine: one thread owns the model and runs every request in continuous batches.
+"""The serving engine: one thread owns the model and runs every request in one ragged pass per step.
 
     engine = Engine(model, max_running=16)
     handle = engine.submit(EngineRequest(prompt_ids, overrides={"max_new_tokens": 64}), listener)
     results = engine.run([EngineRequest(...), ...])     # or wait for a list of requests
 
-Each iteration of the engine's loop, at a step boundary:
+The device state has one shape for the engine's life (docs/serving.md, "The engine's shapes"):
+`max_running` slots of GDN states, one pool of K/V pages with a page table per slot
+(`clover_jax.core.ragged`), and one structure per decoding mode with a slot axis
+(`decoding.engine.slot_states`). Each iteration of the engine's loop, at a step boundary:
 
 1. takes new requests and cancellations (`submit`, `cancel` are thread-safe);
-2. admits queued requests while fewer than `max_running` are held (a bounded queue waits
-   beyond; `submit` raises `QueueFull` past `max_queue`);
-3. prefills: causal chunks of admitted prompts on one-sequence staging states, up to
-   `prefill_budget` tokens per iteration (`decoding.engine.slots.chunk_plan`); a prompt whose
-   prefill is done joins a lane (`decoding.engine.lanes`); with a prefix cache
-   (`decoding.engine.prefix_cache`) a prompt starts from the longest prefix the cache keeps
-   within its causal prefix, and the state at its last grid boundary is kept;
-4. steps every lane that holds requests: one compiled call each (a denoising step of every
-   block in flight, a token of every autoregressive request, a self-speculative round), and
-   hands each request its new tokens; a finished or cancelled request leaves its slot (with a
-   prefix cache, a finished one's prompt and response are kept first, to their last grid boundary).
+2. admits queued requests while a slot is free and the page pool can promise their pages (a
+   bounded queue waits beyond; `submit` raises `QueueFull` past `max_queue`); with a prefix cache
+   (`decoding.engine.prefix_cache`) a request starts from the longest prefix the cache keeps
+   within its causal prefix: shared pages and the GDN states kept there;
+3. plans one pass: every decoding request's work (a denoising step of its block, with its closed
+   block's commit; its latest token; a self-speculative round's draft or verification), then
+   prefill chunks of the admitted prompts up to `prefill_budget` tokens — a long prompt's chunks
+   ride in the same passes as the running requests' steps (`decoding.engine.work`);
+4. runs it: one ragged forward padded to one of a few token counts, then the decisions of each
+   mode (`decoding.engine.decisions`), and hands each request its new tokens; a finished or
+   cancelled request frees its slot and pages (with a prefix cache, a finished one's prompt and
+   response are kept first, to their last grid boundary).
 
-Requests never wait for each other: a request that joins starts at the next step, and one that
+Requests never wait for each other: a request that joins starts at the next pass, and one that
 finishes frees its slot for the next in the queue. Each request decodes exactly what `generate`
-decodes for it alone (the same steps, through the same step functions); the batched forward
+decodes for it alone (the same steps, through the same step functions); the ragged forward
 computes its rows to float rounding of the one-sequence forward.
 
-Failures are confined: a request whose prefill or listener raises fails alone (an event with
-`finish="error"`); a lane whose step raises fails the requests it held, and is made again for the
-next ones. The engine keeps serving.
+Failures are confined: a request whose listener raises ends alone; a request the engine cannot
+admit fails alone; a pass that raises fails the requests it held (their state is gone: the device
+state is made again, the prefix cache emptied). The engine keeps serving.
 """
 
 from __future__ import annotations
@@ -35,37 +39,45 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
-from decoding.engine import precompile as precompiling
-from decoding.engine.lanes import LANES, Lane, ModelContext, Outcome, Tracked, new_staging, prefix_length
-from decoding.engine.prefix_cache import DEFAULT_GRID, Boundary, PrefixCache, cached_staging, follow_step, store_prefix
-from decoding.engine.requests import (
-    EngineEvent,
-    EngineRequest,
-    LaneKey,
-    Listener,
-    PreparedRequest,
-    RequestStats,
-    prepare,
-    rows_needed,
+from clover_jax.core.ragged import TRASH_PAGE, layout, page_bytes, slot_state_bytes
+from decoding.engine import decisions, precompile as precompiling
+from decoding.engine.pages import PagePool
+from decoding.engine.prefix_cache import Boundary, PrefixCache, put_slot_gdn, slot_gdn
+from decoding.engine.requests import EngineEvent, EngineRequest, Listener, PreparedRequest, RequestStats, prepare
+from decoding.engine.shapes import EngineShapes
+from decoding.engine.slot_states import (
+    SlotStates,
+    autoregressive_entry,
+    diffusion_entry,
+    empty_slot_states,
+    put_slot,
+    speculative_entry,
 )
-from decoding.engine.slots import chunk_plan, prefill_chunk
+from decoding.engine.work import (
+    Outcome,
+    Tracked,
+    autoregressive_outcome,
+    diffusion_outcome,
+    plan,
+    unplan,
+    verified_outcome,
+)
 from decoding.generation_config import TOKEN_ID_FIELDS
 from decoding.layouts import token_ids_of
-from decoding.modes import strategy
+from decoding.modes import Mode, strategy
+from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID
 from decoding.validation import model_defaults
 
 logger = logging.getLogger(__name__)
-
-# AR and self-speculative prompts are left-padded to a multiple of this before their prefill
-# chunks (at most UNIT - 1 rows of padding), so prefill compiles at most log2(chunk / UNIT) + 1 shapes.
-UNIT = 8
 
 
 class QueueFull(Exception):
@@ -99,44 +111,49 @@ class Handle:
 
     @property
     def joined(self) -> bool:
-        """Whether the request has joined its lane (its prompt prefilled, a slot written); the
-        lane steps right after, before any request submitted from now on joins."""
-        return self._tracked.lane is not None
+        """Whether the request is decoding (its prompt prefilled); its next step runs before any
+        request submitted from now on decodes."""
+        return self._tracked.decoding
 
     def cancel(self) -> None:
         self._engine.cancel(self)
 
 
-@dataclasses.dataclass
-class _Prefill:
-    """An admitted request whose prompt is being prefilled on its staging state."""
+@dataclasses.dataclass(frozen=True)
+class ModelContext:
+    """What every pass reads of the model (the engine builds it once)."""
 
-    tracked: Tracked
-    lane: LaneKey
-    ids: np.ndarray          # int32 [1, padding + prefix]
-    sizes: list[int] | None  # chunk lengths still to run (None: planned after the prefix cache's lookup)
-    staging: Any = None
-    last_logits: Any = None
-    done_rows: int = 0
-    store_at: int = 0        # the prefix cache keeps the state after this many rows (0: none)
+    passes: Any
+    params: Any
+    vocab: int
+    ids: Any
+    eos: frozenset
+    coreset: bool
+    coreset_top_p: np.float32
 
 
 class Engine:
     """Continuous batching of block diffusion, autoregressive and self-speculative requests.
 
     model: a `CloverModel` (or anything with its `passes`, `run_params`, `config`, `path`,
-    `chunk_size`, `check_memory`); generation_config: the defaults of every request (None: the
-    checkpoint's `generation_config.json`); max_running: requests decoding at once (each lane's
-    largest batch); max_queue: requests waiting beyond them; max_context: cache rows per request
-    (default: the model's `max_position_embeddings`); prefill_budget: prompt tokens prefilled
-    per iteration (default: the model's prefill chunk); prefix_cache_bytes: the prefix cache's
-    budget (0: no cache; `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens.
+    `chunk_size`); generation_config: the defaults of every request (None: the checkpoint's
+    `generation_config.json`); max_running: requests held at once (the slots); max_queue:
+    requests waiting beyond them; max_context: positions per request (default: the model's
+    `max_position_embeddings`); prefill_budget: prompt tokens prefilled per pass (default: the
+    model's prefill chunk); prefix_cache_bytes: the prefix cache's budget (0: no cache;
+    `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens; block_sizes: the
+    block sizes requests may decode with (default: the checkpoint's, 16, 32 and 64);
+    kv_cache_bytes: the K/V page pool's size (default `shapes.EngineShapes.pool_pages`'s rule);
+    page_size: positions per page (default 16, or what divides the prefix cache's grid).
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
                  max_context: int | None = None, prefill_budget: int | None = None, prefix_cache_bytes: int = 0,
-                 prefix_cache_grid: int = DEFAULT_GRID):
-        for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0)):
+                 prefix_cache_grid: int = DEFAULT_GRID, *, block_sizes: Sequence[int] | None = None,
+                 kv_cache_bytes: int | None = None, page_size: int | None = None):
+        for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0),
+                                 ("prefix_cache_bytes", prefix_cache_bytes, 0),
+                                 ("prefix_cache_grid", prefix_cache_grid, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         limit = model.config.max_position_embeddings
@@ -146,45 +163,78 @@ class Engine:
                              f"got {max_context!r}")
         mesh_sharding = getattr(model, "mesh_sharding", None)
         if mesh_sharding is not None and mesh_sharding.axis_size(mesh_sharding.rules.batch) > 1:
-            # a request's staging state holds one sequence, which a data axis cannot split
-            raise ValueError(f"the engine runs on a mesh whose data axis is 1 (its lanes are not split over a batch "
-                             f"axis), got {dict(mesh_sharding.mesh.shape)}; put the devices on expert and tensor")
+            raise ValueError(f"the engine runs on a mesh whose data axis is 1 (a pass is one row of tokens, which a "
+                             f"data axis cannot split), got {dict(mesh_sharding.mesh.shape)}; put the devices on "
+                             f"expert and tensor")
         self.model, self.max_running, self.max_queue, self.max_context = model, max_running, max_queue, max_context
-        self.prefill_budget = prefill_budget or model.chunk_size
-        for name, value, low in (("prefix_cache_bytes", prefix_cache_bytes, 0),
-                                 ("prefix_cache_grid", prefix_cache_grid, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid) if prefix_cache_bytes else None
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
-        model.check_memory(max_running, max_context, self.defaults.block_size)
+        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size, *DEFAULT_BLOCK_SIZES})
+        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"block_sizes must be positive integers, got {list(sizes)}")
+        grid = prefix_cache_grid if prefix_cache_bytes else None
+        self.shapes = EngineShapes.make(model, max_running=max_running, max_context=max_context,
+                                        block_sizes=tuple(sizes), prefill_budget=prefill_budget or model.chunk_size,
+                                        kv_cache_bytes=kv_cache_bytes, page_size=page_size, grid=grid,
+                                        prefix_cache_bytes=prefix_cache_bytes)
+        self.block_sizes = self.shapes.block_sizes
+        self.prefill_budget = self.shapes.prefill_budget
+        self.pool = PagePool(self.shapes.num_pages)
+        self.page_bytes = page_bytes(model.config, self.shapes.page_size, model.dtype)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid, pool=self.pool,
+                                        page_size=self.shapes.page_size, page_bytes=self.page_bytes) \
+            if prefix_cache_bytes else None
         ids = token_ids_of(self.defaults)
         self.context = ModelContext(passes=model.passes, params=model.run_params, vocab=model.config.vocab_size,
                                     ids=ids, eos=frozenset(self.defaults.eos_token_id),
                                     coreset=model.config.moe_block_coreset_enabled,
-                                    coreset_top_p=np.float32(model.config.moe_block_coreset_top_p),
-                                    max_slots=max_running,
-                                    # where a pass is compute-bound, a lone commit is cheaper in a pass of its own
-                                    lone_commits=jax.default_backend() == "cpu")
+                                    coreset_top_p=np.float32(model.config.moe_block_coreset_top_p))
+        logger.info("engine: %d slots, %d K/V pages of %d positions (%.2f GiB; %.2f GiB of GDN states), passes of "
+                    "%s tokens", max_running, self.shapes.num_pages, self.shapes.page_size,
+                    self.shapes.num_pages * self.page_bytes / 2**30,
+                    max_running * slot_state_bytes(model.config, model.dtype) / 2**30, list(self.shapes.paddings))
+        self._new_device_state()
         self._lock = threading.Condition()
+        self._device = threading.RLock()  # the device state: the loop's iterations, `precompile`
         self._inbox: collections.deque = collections.deque()     # (Tracked) submitted, not yet seen by the loop
         self._cancels: set[int] = set()
         self._queue: collections.deque = collections.deque()     # admitted to wait, in order
-        self._prefills: collections.deque = collections.deque()  # _Prefill, in order
-        self._lanes: dict[LaneKey, Lane] = {}
-        self._empty_states: dict[tuple[int, int], Any] = {}
-        self._held: dict[int, Tracked] = {}                        # prefilling or in a lane
+        self._held: dict[int, Tracked] = {}                        # holding a slot, in admission order
+        self._free_slots = list(range(max_running - 1, -1, -1))
         self._waiting = 0                                          # inbox + queue
         self._numbers = itertools.count()
         self._closed = False
-        self.steps = 0                                             # lane steps run
+        self.steps = 0                                             # passes run
         self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
         self.compiled_on_demand = 0                                 # programs compiled after it (logged)
         self.finished: collections.Counter = collections.Counter()  # requests ended, by finish reason
         self._thread = threading.Thread(target=self._loop, name="clover-jax-engine", daemon=True)
         self._thread.start()
+
+    def _new_device_state(self) -> None:
+        """The device state of an empty engine: no page held, every slot empty."""
+        shapes, context = self.shapes, self.context
+        self.page_table = np.full((shapes.slots, shapes.pages_per_slot), TRASH_PAGE, np.int32)
+        self.state = jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
+            shapes.slots, shapes.num_pages, shapes.page_size)
+        self.slots = jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
+                                                      vocab=context.vocab, ids=context.ids,
+                                                      template=self.template(Mode.DIFFUSION)))
+
+    def template(self, mode: Mode) -> PreparedRequest:
+        """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
+        return prepare(self.model, EngineRequest([0], mode, generation_config=self.defaults,
+                                                 overrides={"max_new_tokens": 1}), self.max_context)
+
+    def entry_for(self, prepared: PreparedRequest) -> tuple[str, Any]:
+        """(the slot structure a request uses, its entry: NumPy leaves but its key)."""
+        context, max_block = self.context, self.shapes.max_block
+        if prepared.mode == Mode.DIFFUSION:
+            return "diffusion", diffusion_entry(prepared, max_block=max_block, ids=context.ids, vocab=context.vocab)
+        if prepared.mode == Mode.AUTOREGRESSIVE:
+            return "autoregressive", autoregressive_entry(prepared, vocab=context.vocab)
+        return "speculative", speculative_entry(prepared, max_block=max_block, vocab=context.vocab)
 
     # ------------------------------------------------------------------ the caller's side (any thread)
     def submit(self, request: EngineRequest, listener: Listener) -> Handle:
@@ -216,19 +266,25 @@ class Engine:
             if getattr(prepared.config, name) != getattr(self.defaults, name):
                 raise FieldError(name, f"{name} is the engine's ({getattr(self.defaults, name)!r}) for every request, "
                                  f"got {getattr(prepared.config, name)!r}", code=UNSUPPORTED)
+        if strategy(prepared.mode).decodes_blocks and prepared.config.block_size not in self.block_sizes:
+            raise FieldError("block_size", f"block_size must be one of {list(self.block_sizes)} on this engine "
+                             f"(its block_sizes), got {prepared.config.block_size}", code=UNSUPPORTED)
         return prepared
 
     def precompile(self, modes: Sequence[str] | None = None, block_sizes: Sequence[int] | None = None, *,
                    sample: bool = True) -> "precompiling.Precompiled":
-        """Compile, before serving, the programs of `modes` (default: every mode) at `block_sizes`
-        (default: the engine's block size) for every lane size and cache bucket
-        (`decoding.engine.precompile`); call it on an idle engine. Afterwards every program compiled
-        for a request is logged with its shape. sample: also the sampled variants of the steps."""
+        """Compile, before serving, every program requests of `modes` (default: every mode) at
+        `block_sizes` (default: the engine's) can meet (`decoding.engine.precompile`); call it on an
+        idle engine. Afterwards every program compiled for a request is logged with its shape.
+        sample: also the sampled variants of the decisions."""
         from decoding.modes import MODES
 
-        self.precompiled = precompiling.precompile(self, modes=modes or MODES,
-                                                   block_sizes=block_sizes or [self.defaults.block_size],
-                                                   sample=sample)
+        sizes = list(block_sizes or self.block_sizes)
+        unknown = sorted(set(sizes) - set(self.block_sizes))
+        if unknown:
+            raise ValueError(f"block sizes {unknown} are not among the engine's ({list(self.block_sizes)})")
+        with self._device:
+            self.precompiled = precompiling.precompile(self, modes=modes or MODES, block_sizes=sizes, sample=sample)
         return self.precompiled
 
     def queued(self) -> int:
@@ -270,6 +326,10 @@ class Engine:
         with self._lock:
             return len(self._held)
 
+    def kv_pages_in_use(self) -> int:
+        """K/V pages held by requests or the prefix cache (the pool's pages less the free ones)."""
+        return self.pool.in_use
+
     def close(self) -> None:
         """Stop the loop; requests still queued or held finish with "shutdown"."""
         with self._lock:
@@ -281,26 +341,24 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                # `_queue` too: when every held request finishes in one step, the queued ones are admitted
-                # next (without it the loop slept with requests waiting, until a new one arrived).
                 while not (self._closed or self._inbox or self._cancels or self._held or self._queue):
                     self._lock.wait()
                 if self._closed:
                     break
                 arrived, self._inbox = list(self._inbox), collections.deque()
                 cancels, self._cancels = self._cancels, set()
-            self._queue.extend(arrived)
-            try:
-                self._cancel(cancels)
-                self._admit()
-                self._prefill()
-                self._step_lanes()
-            except Exception:  # a bug in the loop itself: fail what it holds and keep serving
-                logger.exception("the engine's loop failed; failing the requests it held")
-                for tracked in list(self._held.values()):
-                    self._fail(tracked, "internal error in the serving engine")
-                self._prefills.clear()
-                self._lanes.clear()
+            with self._device:
+                self._queue.extend(arrived)
+                try:
+                    self._cancel(cancels)
+                    self._admit()
+                    works = self._plan()
+                    if works:
+                        with precompiling.on_demand(self, works):
+                            self._run(works)
+                except Exception:  # a bug in the loop itself: fail what it holds and keep serving
+                    logger.exception("the engine's loop failed; failing the requests it held")
+                    self._fail_all("internal error in the serving engine")
         for tracked in list(self._queue) + list(self._inbox) + list(self._held.values()):
             self._deliver(tracked, EngineEvent([], "shutdown", self._stats(tracked)))
 
@@ -318,126 +376,226 @@ class Engine:
                 self._finish(tracked, "cancelled")
 
     def _admit(self) -> None:
-        while self._queue and len(self._held) < self.max_running:
-            tracked = self._queue.popleft()
+        while self._queue and self._free_slots:
+            tracked = self._queue[0]
             prepared = tracked.prepared
-            prefix = prepared.prompt[:prefix_length(prepared.lane, len(prepared.prompt))]
-            if self.prefix_cache is not None:
-                tracked.boundary = Boundary()
-            if self.prefix_cache is not None and prefix:
-                padding, sizes = 0, None  # no left padding: chunks are planned around the cached prefix
-            else:
-                unit = prepared.lane.block_size if strategy(prepared.mode).whole_blocks else UNIT
-                padding, sizes = chunk_plan(len(prefix), unit, max(unit, self.model.chunk_size // unit * unit))
-            ids = np.zeros((1, padding + len(prefix)), np.int32)
-            ids[0, padding:] = prefix
-            tracked.rows = padding + rows_needed(len(prepared.prompt), prepared.config, prepared.mode)
-            self._held[tracked.number] = tracked
+            need = math.ceil(strategy(prepared.mode).rows_needed(
+                len(prepared.prompt), prepared.config.max_new_tokens, prepared.config.block_size)[0]
+                / self.shapes.page_size)
+            if not self.pool.can_reserve(need):
+                break  # the oldest waits for pages; the pool is shared in order
+            self._queue.popleft()
             with self._lock:
                 self._waiting -= 1
-            self._prefills.append(_Prefill(tracked, prepared.lane, ids, sizes))
-
-    def _lane(self, key: LaneKey) -> Lane:
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = LANES[key.mode](self.context, key, self._capacity(key))
-        return lane
-
-    def _capacity(self, key: LaneKey) -> int:
-        return self.max_context + (0 if strategy(key.mode).whole_blocks else UNIT)
-
-    def _prefill(self) -> None:
-        budget = self.prefill_budget
-        ready: dict[LaneKey, list[_Prefill]] = {}
-        while self._prefills and budget > 0:
-            job = self._prefills[0]
-            if job.tracked.done:
-                self._prefills.popleft()
-                continue
             try:
-                if job.staging is None:
-                    padding = job.ids.shape[1] - prefix_length(job.lane, len(job.tracked.prepared.prompt))
-                    rows = self._lane(job.lane).rows_for(job.tracked.rows)
-                    if job.sizes is None:
-                        job.staging, job.done_rows, job.store_at, job.sizes = cached_staging(
-                            self.prefix_cache, self.context, job.tracked.prepared, job.ids, rows, self.model.chunk_size)
-                        job.tracked.cached = job.done_rows
-                    else:
-                        job.staging = self._fresh_staging(rows, padding, shared=not job.sizes)
-                if job.sizes:
-                    size = job.sizes.pop(0)
-                    chunk = job.ids[:, job.done_rows:job.done_rows + size]
-                    with precompiling.on_demand(self, f"prefill chunk of {size} tokens on a staging state of "
-                                                      f"{job.staging.capacity} rows ({job.lane})"):
-                        job.last_logits, job.staging = prefill_chunk(self.context.passes, self.context.params, chunk,
-                                                                     job.staging)
-                    job.done_rows += size
-                    budget -= size
-                    if job.done_rows == job.store_at:
-                        store_prefix(self.prefix_cache, job.tracked.prepared.prompt, job.store_at, job.staging)
-                if not job.sizes:
-                    self._prefills.popleft()
-                    ready.setdefault(job.lane, []).append(job)
+                self._take_slot(tracked, need)
             except Exception as error:  # this request alone fails
-                logger.exception("prefill of request %d failed", job.tracked.number)
-                self._prefills.popleft()
-                self._fail(job.tracked, f"prefill failed: {type(error).__name__}: {error}")
-        for key, jobs in ready.items():
-            self._join(key, jobs)
+                logger.exception("admitting request %d failed", tracked.number)
+                self._fail(tracked, f"admission failed: {type(error).__name__}: {error}")
 
-    def _join(self, key: LaneKey, jobs: list[_Prefill]) -> None:
-        """Join prefilled requests into their lane in one write; if that fails, each alone (so
-        only a request whose own join fails is failed)."""
+    def _take_slot(self, tracked: Tracked, need: int) -> None:
+        prepared, context = tracked.prepared, self.context
+        self.pool.reserve(need)
+        tracked.reserved, tracked.slot = need, self._free_slots.pop()
+        self._held[tracked.number] = tracked
+        slot = jnp.int32(tracked.slot)
+        hit = None
+        if self.prefix_cache is not None:
+            tracked.boundary = Boundary()
+            hit = self.prefix_cache.lookup(prepared.prompt, reuse_limit(tracked))
+        if hit is not None:
+            tracked.pages, tracked.filled, tracked.cached = list(hit.pages), hit.length, hit.length
+            self.page_table[tracked.slot, :len(hit.pages)] = hit.pages
+        self.state = put_slot_gdn(self.state, slot, None if hit is None else hit.gdn)
+        prefix = len(tracked.prefix)
+        if self.prefix_cache is not None:
+            boundary = prefix // self.prefix_cache.grid * self.prefix_cache.grid
+            tracked.store_at = boundary if boundary > tracked.filled else 0
+        if prepared.mode == Mode.DIFFUSION:
+            size = prepared.config.block_size
+            tail = prepared.prompt[prefix:]
+            tracked.block = list(tail) + [int(context.ids.mask)] * (size - len(tail))
+        elif prepared.mode == Mode.SELF_SPECULATIVE:
+            tracked.pending = [prepared.prompt[-1]]
+        field, entry = self.entry_for(prepared)
+        self.slots = self.slots._replace(**{field: put_slot(getattr(self.slots, field), slot, entry)})
+
+    def _plan(self) -> list:
+        """Every decoding request's work, then prefill chunks within the budgets."""
+        mask, budget = int(self.context.ids.mask), self.shapes.max_tokens
+        works = []
+        held = list(self._held.values())
+        for tracked in held:
+            if tracked.decoding and not tracked.done:
+                work = plan(tracked, budget=budget, prefill_budget=0, mask=mask)
+                if work is not None:
+                    works.append(work)
+                    budget -= len(work.causal) + len(work.block)
+        prefill = self.prefill_budget
+        for tracked in held:
+            if tracked.decoding or tracked.done or prefill <= 0 or budget <= 0:
+                continue
+            work = plan(tracked, budget=budget, prefill_budget=min(prefill, budget), mask=mask)
+            if work is not None:
+                works.append(work)
+                budget -= len(work.causal) + len(work.block)
+                prefill -= tracked.ran_prefill
+        return works
+
+    def _by_slot(self, slot: int) -> Tracked:
+        for tracked in self._held.values():
+            if tracked.slot == slot:
+                return tracked
+        raise KeyError(slot)
+
+    def _pages_for(self, tracked: Tracked, last_position: int) -> None:
+        """Hand the request the pages up to `last_position`, evicting cached prefixes when no page is free."""
+        while len(tracked.pages) * self.shapes.page_size <= last_position:
+            while not self.pool.free:
+                if self.prefix_cache is None or not self.prefix_cache.evict_oldest():
+                    raise RuntimeError("the K/V page pool is exhausted (its reservations should prevent this)")
+            page = self.pool.take()
+            self.page_table[tracked.slot, len(tracked.pages)] = page
+            tracked.pages.append(page)
+
+    def _run(self, works: list) -> None:
+        shapes, context = self.shapes, self.context
+        ran = [self._by_slot(work.slot) for work in works]
         try:
-            lane = self._lane(key)
-            with precompiling.on_demand(self, f"{len(jobs)} request(s) joining {key} of {lane.live} live", lane):
-                lane.add([(job.tracked, job.staging, job.last_logits) for job in jobs])
+            for tracked, work in zip(ran, works, strict=True):
+                self._pages_for(tracked, work.start + len(work.causal) + len(work.block) - 1)
+            rows = sum(len(work.causal) + len(work.block) for work in works)
+            ids, batch = layout(works, num_tokens=shapes.padding_for(rows), page_table=self.page_table,
+                                max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
+            logits, self.state = decisions.forward(context.passes, context.params, self.state, ids, batch,
+                                                   context.coreset_top_p, coreset=context.coreset)
+            reports = self._decide(logits, ran)
         except Exception as error:
-            if len(jobs) > 1:
-                for job in jobs:
-                    self._join(key, [job])
-                return
-            logger.exception("request %d could not join its lane", jobs[0].tracked.number)
-            self._fail(jobs[0].tracked, f"joining its decoding lane failed: {type(error).__name__}: {error}")
+            for tracked in ran:
+                unplan(tracked)
+            logger.exception("a pass of %d requests failed; failing every request the engine holds", len(ran))
+            self._fail_all(f"decoding step failed: {type(error).__name__}: {error}")
             return
-        for job in jobs:
-            job.tracked.lane = key
+        self.steps += 1
+        self._apply(ran, reports)
 
-    def _fresh_staging(self, rows: int, padding: int, shared: bool):
-        """An empty staging state; `shared`: one that no prefill will write (a prompt with no
-        prefix), kept and handed to every such request (joining reads it, never changes it)."""
-        if not shared:
-            return new_staging(self.context, rows, padding)
-        key = (rows, padding)
-        if key not in self._empty_states:
-            self._empty_states[key] = new_staging(self.context, rows, padding)
-        return self._empty_states[key]
+    def _decide(self, logits, ran: list[Tracked]) -> dict:
+        """Every decision the pass's requests need, run on the device; their reports on the host."""
+        context, slots = self.context, self.shapes.slots
+        mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
+        deciding = [t for t in ran if t.ran_decode]
+        reports = {}
+        for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
+            chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
+            committed = mask_of([t for t in chosen if t.commits])
+            self.slots, reports[f"diffusion/{size}"] = self._call(
+                decisions.decide_diffusion, self.slots.diffusion, logits, mask_of(chosen), committed, context.ids,
+                block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
+                scores=any(t.prepared.logprobs is not None for t in chosen))
+        chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
+        if chosen:
+            self.slots, reports["autoregressive"] = self._call(
+                decisions.decide_autoregressive, self.slots.autoregressive, logits, mask_of(chosen), context.ids,
+                sample=any(t.prepared.config.do_sample for t in chosen))
+        for verifying in (False, True):
+            for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
+                chosen = [t for t in deciding if t.mode == Mode.SELF_SPECULATIVE and t.block_size == size
+                          and t.verifying == verifying]
+                if chosen:
+                    program = decisions.decide_verified if verifying else decisions.decide_drafts
+                    self.slots, reports[f"{'verified' if verifying else 'drafts'}/{size}"] = self._call(
+                        program, self.slots.speculative, logits, mask_of(chosen), context.ids, block_size=size)
+        return jax.device_get(reports)
 
-    def _step_lanes(self) -> None:
-        for key, lane in list(self._lanes.items()):
-            if not lane.live:
+    def _call(self, program, structure, *args, **static) -> tuple[SlotStates, Any]:
+        """Run a decision on one mode's structure; returns the slot states with it replaced, and the report."""
+        updated, report = program(structure, *args, **static)
+        field = {decisions.decide_diffusion: "diffusion", decisions.decide_autoregressive: "autoregressive"}.get(
+            program, "speculative")
+        return self.slots._replace(**{field: updated}), report
+
+    def _apply(self, ran: list[Tracked], reports: dict) -> None:
+        """The pass's effects on each request it ran, then their events."""
+        eos = self.context.eos
+        outcomes = []
+        for tracked in ran:
+            if tracked.ran_prefill:
+                tracked.filled += tracked.ran_prefill
+                if self.prefix_cache is not None and tracked.store_at and tracked.filled == tracked.store_at:
+                    self._store(tracked.prepared.prompt, tracked)
+            if not tracked.ran_decode:
                 continue
-            try:
-                with precompiling.on_demand(self, f"step of {key}", lane):
-                    lane.fit()
-                    committing = [tracked for tracked in lane.requests() if tracked.commits]
-                    outcomes = lane.step()
-            except Exception as error:
-                logger.exception("a step of lane %s failed; failing its %d requests", key, lane.live)
-                held = lane.requests()
-                lane.drop()
-                for tracked in held:
-                    self._fail(tracked, f"decoding step failed: {type(error).__name__}: {error}")
-                continue
-            self.steps += 1
-            if self.prefix_cache is not None:
-                follow_step(self.prefix_cache, lane, committing, outcomes)
-            for outcome in outcomes:
-                self._report(outcome)
+            if tracked.starts:
+                tracked.nfe = tracked.first_nfe()
+            slot = tracked.slot
+            outcome = None
+            if tracked.mode == Mode.DIFFUSION:
+                if tracked.commits:
+                    tracked.filled += tracked.block_size
+                    tracked.commits = False
+                report = reports[f"diffusion/{tracked.block_size}"]
+                scores = None if report.logprob is None else (report.logprob[slot], report.top_ids[slot],
+                                                              report.top_values[slot])
+                outcome = diffusion_outcome(tracked, closing=bool(report.closing[slot]),
+                                            finished=bool(report.finished[slot]), block=report.block[slot],
+                                            steps=int(report.steps[slot]), scores=scores, eos=eos)
+            elif tracked.mode == Mode.AUTOREGRESSIVE:
+                tracked.filled += len(tracked.pending)  # the latest token's row (none right after the prefill)
+                report = reports["autoregressive"]
+                outcome = autoregressive_outcome(tracked, token=int(report.token[slot]),
+                                                 finished=bool(report.finished[slot]), eos=eos)
+            elif tracked.verifying:
+                report = reports[f"verified/{tracked.block_size}"]
+                outcome = verified_outcome(tracked, choices=report.choices[slot], emitted=int(report.emitted[slot]),
+                                           finished=bool(report.finished[slot]), eos=eos)
+            else:
+                tracked.filled += len(tracked.pending)
+                tracked.pending, tracked.verifying = [], True
+                tracked.drafts = [int(token) for token in reports[f"drafts/{tracked.block_size}"][slot]]
+                tracked.nfe += 1
+            if outcome is not None:
+                outcomes.append(outcome)
+        for outcome in outcomes:
+            self._report(outcome)
+        if self.prefix_cache is not None:
+            self._follow(ran)
 
+    # ------------------------------------------------------------------ the prefix cache
+    def _store(self, tokens: Sequence[int], tracked: Tracked) -> None:
+        """Keep the request's state at `tracked.filled` positions (a grid boundary). A failure is
+        logged: the cache only saves work."""
+        try:
+            self.prefix_cache.store(tokens, tracked.filled, tracked.pages,
+                                    gdn=lambda: slot_gdn(self.state, jnp.int32(tracked.slot)))
+        except Exception:
+            logger.exception("storing a prefix of %d tokens in the prefix cache failed", tracked.filled)
+
+    def _follow(self, ran: list[Tracked]) -> None:
+        """After a pass: take the GDN states of a decoding request whose state now stands on a grid
+        boundary (kept when it finishes, `_finish`)."""
+        grid = self.prefix_cache.grid
+        for tracked in ran:
+            boundary = tracked.boundary
+            if tracked.done or boundary is None or not tracked.decoding:
+                continue
+            if tracked.filled % grid == 0 and tracked.filled > boundary.length:
+                boundary.length, boundary.gdn = tracked.filled, slot_gdn(self.state, jnp.int32(tracked.slot))
+
+    def _keep_finished(self, tracked: Tracked) -> None:
+        boundary = tracked.boundary
+        if boundary is None or boundary.gdn is None:
+            return
+        tokens = list(tracked.prepared.prompt) + tracked.response
+        try:
+            self.prefix_cache.store(tokens, boundary.length, tracked.pages, gdn=lambda: boundary.gdn)
+        except Exception:
+            logger.exception("keeping a finished request's prefix in the prefix cache failed")
+
+    # ------------------------------------------------------------------ ending requests
     def _report(self, outcome: Outcome) -> None:
         tracked = outcome.tracked
         tracked.emitted += len(outcome.tokens)
+        tracked.response.extend(outcome.tokens)
         if outcome.finish is not None:
             self._finish(tracked, outcome.finish, outcome.tokens, logprobs=outcome.logprobs)
         elif outcome.tokens:
@@ -445,7 +603,9 @@ class Engine:
 
     def _finish(self, tracked: Tracked, finish: str, tokens: list[int] | None = None, error: str | None = None,
                 logprobs: list | None = None) -> None:
-        """Free the request's slot (or prefill) and send its last event."""
+        """Free the request's slot and pages and send its last event."""
+        if finish in ("eos", "length") and self.prefix_cache is not None:
+            self._keep_finished(tracked)
         self._release(tracked)
         if not tracked.done:
             self.finished[finish] += 1
@@ -454,13 +614,26 @@ class Engine:
     def _fail(self, tracked: Tracked, message: str) -> None:
         self._finish(tracked, "error", error=message)
 
+    def _fail_all(self, message: str) -> None:
+        """Fail every request held and start again from an empty device state (a failed pass may
+        have consumed the state it was given)."""
+        for tracked in list(self._held.values()):
+            self._fail(tracked, message)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.pool = PagePool(self.shapes.num_pages)
+        if self.prefix_cache is not None:
+            self.prefix_cache.pool = self.pool
+        self._new_device_state()
+
     def _release(self, tracked: Tracked) -> None:
-        self._held.pop(tracked.number, None)
-        lane = self._lanes.get(tracked.lane) if tracked.lane is not None else None
-        if lane is not None and tracked in lane.occupants:
-            lane.remove(tracked)
-            if not lane.live:
-                del self._lanes[tracked.lane]
+        if self._held.pop(tracked.number, None) is None:
+            return
+        self.pool.release(tracked.pages)
+        self.pool.unreserve(tracked.reserved)
+        self.page_table[tracked.slot] = TRASH_PAGE
+        self._free_slots.append(tracked.slot)
+        tracked.pages, tracked.reserved = [], 0
 
     def _deliver(self, tracked: Tracked, event: EngineEvent) -> None:
         """Hand an event to the request's listener; a listener that raises ends its request alone
@@ -484,3 +657,10 @@ class Engine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def reuse_limit(tracked: Tracked) -> int:
+    """The most cached tokens a request may start from: its causal prefix (diffusion: the whole
+    prompt blocks, floor(P/B)·B; self-speculative: all but the pending last token), less one for
+    autoregressive decoding, whose first token is chosen from the last prompt row's logits."""
+    return len(tracked.prefix) - int(tracked.mode == Mode.AUTOREGRESSIVE)

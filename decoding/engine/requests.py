@@ -17,7 +17,7 @@ import numpy as np
 
 from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
 from decoding.controls import Controls
-from decoding.engine.diffusion_lane import MAX_TOP_LOGPROBS, SCHEDULES
+from decoding.engine.slot_states import MAX_TOP_LOGPROBS, SCHEDULES
 from decoding.generation_config import GenerationConfig
 from decoding.layouts import controls_of, prompt_thinking
 from decoding.modes import Mode, strategy
@@ -43,15 +43,6 @@ class EngineRequest:
     logprobs: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class LaneKey:
-    """Requests that can share a lane: same mode, and for block decoding the same block size and step cap."""
-
-    mode: Mode
-    block_size: int | None = None
-    steps_cap: int | None = None
-
-
 @dataclasses.dataclass
 class PreparedRequest:
     """A request that passed every check, with what the engine needs of it on the host."""
@@ -62,7 +53,6 @@ class PreparedRequest:
     controls: Controls
     thinking: bool
     seed: int
-    lane: LaneKey
     key: Any = None              # `sequence_key_row(seed)`, made on the caller's thread
     schedule: Any = None         # diffusion: its parameters of the engine's schedule switch (one slot's row)
     logprobs: int | None = None  # diffusion: alternatives recorded per token (None: no log-probabilities)
@@ -145,14 +135,12 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
         raise FieldError("max_new_tokens", f"{rule} = {needed} positions (P={len(prompt)}, N={config.max_new_tokens}"
                          + (f", B={config.block_size}" if decoder.decodes_blocks else "")
                          + f") exceeds the engine's context of {max_context} per request", code=CONTEXT_LENGTH)
-    lane = LaneKey(decoder.mode, config.block_size if decoder.decodes_blocks else None,
-                   config.steps_cap if decoder.whole_blocks else None)
     schedule = None
     if decoder.whole_blocks:
         schedule = jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
                                           SCHEDULES.params(config.schedule, config.schedule_params, config))
     return PreparedRequest(prompt=prompt, mode=decoder.mode, config=config, controls=controls_of(config),
-                           thinking=prompt_thinking(prompt, config), seed=int(request.seed), lane=lane,
+                           thinking=prompt_thinking(prompt, config), seed=int(request.seed),
                            key=sequence_key_row(int(request.seed)), schedule=schedule, logprobs=request.logprobs)
 
 

@@ -1,9 +1,10 @@
 """The serving engine (decoding/engine) against `generate` on each request alone: continuous
 batching changes nothing — tokens, NFE and denoising steps per block are those of the request
 decoded by itself — for block diffusion with every control and several schedules, sampled
-requests, autoregressive and self-speculative requests, requests that join while others are
-mid-block and leave at different steps; steady traffic never recompiles; cancellation, a failing
-listener and bad requests are confined to their request."""
+requests, autoregressive and self-speculative requests, requests of two block sizes in the same
+passes, requests that join while others are mid-block and leave at different steps, a long
+prompt prefilled in chunks beside running requests; pages follow the tokens held and all come
+back; cancellation, a failing listener and bad requests are confined to their request."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 import pytest
 
 from decoding import generate
-from decoding.engine import Engine, EngineRequest, QueueFull, diffusion_lane, slots
+from decoding.engine import Engine, EngineRequest, QueueFull
 from tests.conftest import MASK_ID
 from tests.decoding.conftest import THINK_START
 
@@ -40,7 +41,7 @@ def model(small_clover_checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(model, controls_config):
-    with Engine(model, controls_config, max_running=4, max_queue=32) as engine:
+    with Engine(model, controls_config, max_running=4, max_queue=32, block_sizes=[8, 16]) as engine:
         yield engine
 
 
@@ -74,52 +75,55 @@ def test_batched_requests_equal_each_request_alone(engine, model, controls_confi
     assert engine.running() == 0
 
 
-def test_a_burst_joining_a_busy_lane_grows_it_one_doubling_at_a_time(engine, model, controls_config, monkeypatch):
-    """Three requests joining a lane that one request holds, in one write: the lane grows 1 -> 2 -> 4
-    slots, each a growth that requests joining one by one make (the precompiled set), never 1 -> 4
-    (a resize program of its own, which a closed loop of clients met after the precompile); the
-    requests decode as alone."""
-    from decoding.engine import lanes
-
-    growths, joins = [], []
-    reshape, add = lanes.Lane._reshape, lanes.Lane.add
-
-    def recording_reshape(self, size, capacity):
-        if size > self.size:
-            growths.append((self.size, size))
-        reshape(self, size, capacity)
-
-    def recording_add(self, joining):
-        joins.append(len(joining))
-        add(self, joining)
-
-    monkeypatch.setattr(lanes.Lane, "_reshape", recording_reshape)
-    monkeypatch.setattr(lanes.Lane, "add", recording_add)
+def test_two_block_sizes_and_a_request_joining_mid_block_share_passes(engine, model, controls_config):
+    """A long request of block size 8 in flight, then requests of block size 16 and 8 joining in its
+    middle: they decode in the same passes (one forward each step) and each as alone."""
     long = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 48, "dllm_length_penalty": 0.0}, seed=2)
-    burst = [EngineRequest(prompt) for prompt in PROMPTS[:3]]
+    joining = [EngineRequest(PROMPTS[0], overrides={"block_size": 16}), EngineRequest(PROMPTS[2]),
+               EngineRequest(PROMPTS[5], overrides={"block_size": 16, "schedule": "fixed_k"})]
     started = threading.Event()
     handle = engine.submit(long, lambda event: started.set())
     started.wait(600)
-    results = engine.run(burst, timeout=600)
+    steps = engine.steps
+    results = engine.run(joining, timeout=600)
     handle.cancel()
-    assert joins[:2] == [1, 3] and growths == [(1, 2), (2, 4)], (joins, growths)
-    for request, result in zip(burst, results, strict=True):
-        tokens, nfe, steps = alone(model, controls_config, request)
+    for request, result in zip(joining, results, strict=True):
+        tokens, nfe, steps_per_block = alone(model, controls_config, request)
         assert (result.error, result.tokens, result.stats.nfe, result.stats.steps_per_block) == (
-            None, tokens, nfe, steps)
+            None, tokens, nfe, steps_per_block), request
+    # the three shared their passes: fewer passes than their forwards together
+    assert engine.steps - steps < sum(result.stats.nfe for result in results)
 
 
-def test_steady_traffic_never_recompiles(engine):
-    """Prompts of other lengths in the same buckets, other controls, schedules and seeds: no new program."""
-    def traffic(offset: int):
-        return [EngineRequest([30 + offset + i for i in range(9 + offset)], overrides=variant, seed=offset + k)
-                for k, variant in enumerate(VARIANTS[:4])]
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_requests(model, controls_config):
+    """With a prefill budget of 8 tokens a pass, a prompt of 27 tokens takes several passes, each
+    beside the running requests' steps, and every request decodes as alone."""
+    requests = [EngineRequest(PROMPTS[0], overrides={"max_new_tokens": 24, "dllm_length_penalty": 0.0}),
+                EngineRequest(PROMPTS[3], "autoregressive"), EngineRequest(PROMPTS[3]),
+                EngineRequest(PROMPTS[3], "self_speculative")]
+    with Engine(model, controls_config, max_running=4, prefill_budget=8, block_sizes=[8]) as engine:
+        results = engine.run(requests, timeout=600)
+        assert engine.kv_pages_in_use() == 0  # every page came back
+    for request, result in zip(requests, results, strict=True):
+        tokens, nfe, steps = alone(model, controls_config, request)
+        assert (result.error, result.tokens, result.stats.nfe, len(result.stats.steps_per_block)) == (
+            None, tokens, nfe, len(steps)), request
 
-    engine.run(traffic(0), timeout=600)
-    programs = [diffusion_lane.diffusion_step, slots.put_slots, slots.take_slots, slots.prefill_chunk]
-    compiled = [program._cache_size() for program in programs]
-    engine.run(traffic(3), timeout=600)
-    assert [program._cache_size() for program in programs] == compiled
+
+def test_pages_in_use_follow_the_tokens_held(model, controls_config):
+    """A request holds the pages of the positions it has written, not of its whole reservation, and
+    gives them all back when it ends."""
+    seen = []
+    with Engine(model, controls_config, max_running=1, block_sizes=[8], page_size=4) as engine:
+        request = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 48, "dllm_length_penalty": 0.0}, seed=2)
+        [result] = engine.run([request], timeout=600)
+        engine.submit(request, lambda event: seen.append(engine.kv_pages_in_use()))
+        engine.run([EngineRequest(PROMPTS[2], overrides={"max_new_tokens": 1})], timeout=600)
+        assert engine.kv_pages_in_use() == 0
+    # 27 prompt tokens, blocks of 8 on pages of 4: 24 prefilled (6 pages), then 2 pages a block, each
+    # event a block closed (the block after it not yet written); the last event comes after the release
+    blocks = len(result.stats.steps_per_block)
+    assert blocks >= 3 and seen == [6 + 2 * (k + 1) for k in range(blocks - 1)] + [0], seen
 
 
 def test_a_cancelled_request_frees_its_slot_and_the_others_decode_as_alone(engine, model, controls_config):
@@ -182,6 +186,7 @@ def test_queued_requests_are_admitted_when_every_running_one_finishes_in_the_sam
      "tokens_per_step must be >= 1"),
     (EngineRequest([1, 2], mode="beam"), "mode must be one of"),
     (EngineRequest([1, 2], seed=-1), "seed must be an integer"),
+    (EngineRequest([1, 2], overrides={"block_size": 4}), r"block_size must be one of \[8, 16, 32, 64\]"),
 ])
 def test_bad_requests_are_refused_before_compute(model, controls_config, request_, message):
     with Engine(model, controls_config, max_running=2, max_context=256) as engine:
@@ -190,75 +195,15 @@ def test_bad_requests_are_refused_before_compute(model, controls_config, request
         assert engine.steps == 0 and engine.running() == 0
 
 
-def test_chunk_plan_covers_the_prompt_with_few_shapes():
-    assert slots.chunk_plan(0, 8, 64) == (0, [])
-    assert slots.chunk_plan(13, 8, 64) == (3, [16])
-    assert slots.chunk_plan(200, 8, 64) == (0, [64, 64, 64, 8])
-    assert slots.chunk_plan(48, 16, 2048) == (0, [32, 16])
-    for length in range(1, 300):
-        padding, sizes = slots.chunk_plan(length, 8, 64)
-        assert sum(sizes) == length + padding and padding < 8 and all(s in (8, 16, 32, 64) for s in sizes)
-
-
-def test_a_request_whose_left_padding_crosses_a_cache_bucket_decodes_as_alone(model, controls_config):
-    """A request's cache rows include its prompt's left padding: without them, a request that needs
-    64 rows and is padded by 3 would get a 64-row lane and write past its end. A fresh engine, so
-    that no earlier request has grown the lane already."""
+def test_a_request_whose_last_position_ends_the_context_decodes_as_alone(model, controls_config):
+    """A request that needs every position of the engine's context (prompt and response end on its
+    last page): its last rows are written and read through the page table like the others."""
     import dataclasses
 
     config = dataclasses.replace(controls_config, eos_token_id=(), dllm_length_penalty=0.0)  # runs to the end
-    # 13 prompt tokens + 51 = 64 rows; the prompt is left-padded by 3 to a multiple of 8: 67 rows, past 64
-    prompt_length, max_new_tokens = 13, 51
-    request = EngineRequest(list(range(20, 20 + prompt_length)), "autoregressive",
-                            overrides={"max_new_tokens": max_new_tokens})
-    with Engine(model, config, max_running=1) as engine:
+    request = EngineRequest(list(range(20, 33)), "autoregressive", overrides={"max_new_tokens": 51})
+    with Engine(model, config, max_running=1, max_context=64, block_sizes=[8]) as engine:
         [result] = engine.run([request], timeout=900)
     tokens, nfe, _ = alone(model, config, request)
-    assert len(tokens) == max_new_tokens  # the whole response is written: the last rows are used
+    assert len(tokens) == 51  # 13 + 51 = 64 positions
     assert (result.error, result.tokens, result.stats.nfe) == (None, tokens, nfe)
-
-
-def test_a_slot_committing_alone_in_a_pass_of_its_own_matches_the_whole_lane_pass(model):
-    # the CPU's commit step (`_commit_pass` with lone_commits) against the one-pass form: four slots
-    # at different lengths, one committing (its own pass) and two committing (the whole lane's pass)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from clover_jax.core.state import KVCache
-
-    size = 8
-    layout = diffusion_lane.DiffusionLayout(size, size, model.config.moe_block_coreset_enabled)
-    top_p = jnp.float32(model.config.moe_block_coreset_top_p)
-    rng = np.random.default_rng(0)
-    blocks = lambda: jnp.asarray(rng.integers(20, 90, (4, size)), jnp.int32)
-    masks = jnp.full((4, size), MASK_ID, jnp.int32)
-
-    @jax.jit
-    def lane_state():
-        state = model.passes.new_state(4, 64)
-        for grows in ([True] * 4, [True, False, True, False], [False, True, True, False]):
-            state = model.passes.commit_and_denoise(model.run_params, blocks(), masks, state, coreset=layout.coreset,
-                                                    coreset_top_p=top_p, commit=jnp.asarray(grows)).state
-        return state
-
-    state, block, rows = lane_state(), blocks(), masks.at[:, size // 2:].set(blocks()[:, size // 2:])
-    assert jax.device_get(state.length).tolist() == [2 * size, 2 * size, 3 * size, size]
-    step = jax.jit(diffusion_lane._commit_pass, static_argnames=("passes", "layout", "lone_commits"))
-    for pending in ([False, True, False, False], [True, False, False, True]):
-        pending = jnp.asarray(pending)
-        block_rows = jnp.where(pending[:, None], rows, block)
-        apart, whole = (step(model.passes, model.run_params, layout, block, block_rows, state, pending, top_p,
-                             lone_commits=lone) for lone in (True, False))
-        np.testing.assert_allclose(apart[0], whole[0], rtol=1e-5, atol=1e-5)
-        lengths = jax.device_get(apart[1].length)
-        assert lengths.tolist() == jax.device_get(whole[1].length).tolist()
-        for name, layer in apart[1].layers.items():
-            other = whole[1].layers[name]
-            if isinstance(layer, KVCache):  # [groups, slots, rows, ...]: rows past a slot's fill are never read
-                for slot, fill in enumerate(lengths):
-                    for left, right in ((layer.key, other.key), (layer.value, other.value)):
-                        np.testing.assert_allclose(left[:, slot, :fill], right[:, slot, :fill], rtol=1e-5, atol=1e-5)
-            else:
-                for left, right in zip(jax.tree_util.tree_leaves(layer), jax.tree_util.tree_leaves(other), strict=True):
-                    np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,194 @@
+"""The engine's compiled programs: the ragged forward of a step, and the decisions that read it.
+
+`forward` runs one ragged pass (`clover_jax.core.ragged`) over every slot's work of the step; its
+shape is the padded token count alone. The decisions then turn the pass's logits (float32
+[S, W, vocab], each slot's logit rows) into tokens, each with the function `generate`'s loops run,
+over every slot of the engine at once and masked to the slots the decision is for:
+
+| program                 | static             | what it decides                                        |
+|-------------------------|--------------------|--------------------------------------------------------|
+| `decide_diffusion`      | B, sample, scores  | a denoising step (`decoding.block_loop.denoising_step`) |
+| `decide_autoregressive` | sample             | the next token (`decoding.autoregressive.next_tokens`)  |
+| `decide_drafts`         | B                  | a self-speculative round's drafts                       |
+| `decide_verified`       | B                  | the round's accepted run (`speculative.accept_drafts`)  |
+
+None of them holds a forward pass, so the programs that do are one per padded token count,
+whatever the modes and block sizes served (docs/serving.md, "The engine's shapes").
+
+The programs are plain `jax.jit` (JAX's persistent compilation cache keeps them across
+processes) rather than `clover_jax.core.executable_cache.persistent_jit`, whose per-call work
+(describing every argument's pytree) would be paid on every step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.core.passes import ModelPasses
+from clover_jax.core.ragged import PagedBatch, PagedState
+from decoding.autoregressive import next_tokens
+from decoding.block_loop import StepRules, denoising_step
+from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process_batch
+from decoding.engine.slot_states import (
+    MAX_TOP_LOGPROBS,
+    SCHEDULES,
+    AutoregressiveSlots,
+    BlockScores,
+    DiffusionSlots,
+    SpeculativeSlots,
+)
+from decoding.speculative import accept_drafts, draft_tokens
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "coreset"), donate_argnames=("state",))
+def forward(passes: ModelPasses, params: Any, state: PagedState, token_ids: jax.Array, batch: PagedBatch,
+            coreset_top_p: jax.Array, *, coreset: bool) -> tuple[jax.Array, PagedState]:
+    """One ragged pass: (logits float32 [S, W, vocab], the state after it)."""
+    out = passes.ragged(params, token_ids, batch, state, coreset=coreset, coreset_top_p=coreset_top_p)
+    return out.logits, out.state
+
+
+def per_slot_choice(controls: Controls, sampling: jax.Array, sample: bool):
+    """choose(processed [S, rows, V], keys [S]) -> Choice [S, rows] for slots that each decode
+    greedily or by sampling (`sampling`: bool [S]; `sample`: some slot samples, else every slot
+    takes the greedy choice alone, and the sampling program is not compiled). controls: [S] each."""
+    def choose_rows(processed, keys):
+        greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
+        if not sample:
+            return greedy
+        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key),
+                           in_axes=(0, 0, per_sequence_axes(controls)))(processed, keys, controls)
+        return jax.tree_util.tree_map(lambda g, s: jnp.where(sampling[:, None], s, g), greedy, sampled)
+    return choose_rows
+
+
+def _where_slots(active: jax.Array, new, old):
+    """Per leaf (leading slot axis): `new` where `active` (bool [S]), else `old`."""
+    def pick(a, b):
+        return jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree_util.tree_map(pick, new, old)
+
+
+class DiffusionReport(NamedTuple):
+    """What the host reads after a denoising step (small: no logits)."""
+
+    closing: jax.Array          # bool [S]: the slot's block closed in this step
+    finished: jax.Array         # bool [S]
+    block: jax.Array            # int32 [S, B]: the slot's block after the step
+    steps: jax.Array            # int32 [S]: denoising steps of the current block
+    logprob: jax.Array          # `BlockScores` of the block (None unless asked for)
+    top_ids: jax.Array
+    top_values: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "sample", "scores"), donate_argnames=("slots",))
+def decide_diffusion(slots: DiffusionSlots, logits: jax.Array, active: jax.Array, committed: jax.Array,
+                     ids: TokenIds, *, block_size: int, sample: bool,
+                     scores: bool) -> tuple[DiffusionSlots, DiffusionReport]:
+    """A denoising step of the `active` slots (bool [S]: diffusion requests of block size
+    `block_size` whose block the pass ran), from their logit rows 0..B-1. `committed` (bool [S]):
+    slots whose pass committed their closed block — they start their next block first, all masks.
+    sample: some active slot samples; scores: some asks for log-probabilities."""
+    size = block_size
+    held = slots.progress
+    narrow = lambda array: array[:, :size]
+    progress = held._replace(block=narrow(held.block), decided=narrow(held.decided), fixed=narrow(held.fixed),
+                             finished=held.finished | ~active)
+    fresh = committed[:, None]
+    progress = progress._replace(
+        block=jnp.where(fresh, ids.mask, progress.block), decided=progress.decided & ~fresh,
+        fixed=progress.fixed & ~fresh, block_index=progress.block_index + committed,
+        step=jnp.where(committed, 0, progress.step), post_fill=jnp.where(committed, 0, progress.post_fill),
+        open=progress.open | committed)
+    controls = slots.controls
+    rules = StepRules(controls=controls, ids=ids, steps_cap=slots.steps_cap,
+                      choose=per_slot_choice(controls, slots.sample, sample),
+                      schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))
+    block_logits = logits[:, :size]
+    before = progress
+    progress, details = denoising_step(progress, slots.facts, block_logits, rules)
+    progress = progress._replace(finished=jnp.where(active, progress.finished, held.finished))
+    widen = lambda full, part: full.at[:, :size].set(part)
+    updated = progress._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
+                                fixed=widen(held.fixed, progress.fixed))
+    kept = slots.scores
+    if scores:
+        narrow_scores = BlockScores(*(narrow(leaf) for leaf in kept))
+        recorded = _scored(before, slots.facts, block_logits, controls, ids, details, narrow_scores)
+        kept = BlockScores(*(widen(full, part) for full, part in zip(kept, recorded, strict=True)))
+    slots = slots._replace(progress=_where_slots(active, updated, held),
+                           scores=_where_slots(active, kept, slots.scores))
+    report_scores = tuple(narrow(leaf) for leaf in slots.scores) if scores else (None, None, None)
+    return slots, DiffusionReport(details.closing & active, slots.progress.finished,
+                                  narrow(slots.progress.block), slots.progress.step, *report_scores)
+
+
+def _scored(before, facts, logits: jax.Array, controls: Controls, ids: TokenIds, details,
+            kept: BlockScores) -> BlockScores:
+    """`kept` with the positions this step filled or edited given the log-probability of their new
+    token under the step's processed distribution (`process`, as `denoising_step` computed it from
+    the same logits, counts and response indices) and the top K there."""
+    size = before.block.shape[1]
+    response_index = facts.response_base[:, None] + before.block_index[:, None] * size + jnp.arange(size)[None, :]
+    processed = process_batch(logits, before.counts, response_index, facts.prompt_thinking, controls, ids)
+    logp = jax.nn.log_softmax(processed, axis=-1)
+    chosen = jnp.take_along_axis(logp, details.choice.token[..., None], axis=-1)[..., 0]
+    values, indices = jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
+    new = details.filled | details.edited
+    return BlockScores(jnp.where(new, chosen, kept.logprob), jnp.where(new[..., None], indices, kept.top_ids),
+                       jnp.where(new[..., None], values, kept.top_values))
+
+
+class AutoregressiveReport(NamedTuple):
+    token: jax.Array            # int32 [S]: the token each active slot chose
+    finished: jax.Array         # bool [S]: it was the slot's last
+
+
+@functools.partial(jax.jit, static_argnames=("sample",), donate_argnames=("slots",))
+def decide_autoregressive(slots: AutoregressiveSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
+                          sample: bool) -> tuple[AutoregressiveSlots, AutoregressiveReport]:
+    """The next token of each `active` slot (bool [S]) from its logit row 0 (the last causal row
+    of its pass: the prompt's last, or its latest token's)."""
+    controls = slots.controls
+    token = next_tokens(logits=logits[:, 0], counts=slots.counts, index=slots.generated,
+                        prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls, ids=ids,
+                        choose_rows=per_slot_choice(controls, slots.sample, sample))
+    generated = slots.generated + active
+    finished = active & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1) | (generated >= slots.max_new_tokens))
+    counts = slots.counts.at[jnp.arange(token.shape[0]), token].add(active.astype(jnp.int32))
+    return slots._replace(counts=counts, generated=generated), AutoregressiveReport(token, finished)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("slots",))
+def decide_drafts(slots: SpeculativeSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
+                  block_size: int) -> tuple[SpeculativeSlots, jax.Array]:
+    """A self-speculative round's drafts (int32 [S, B]) for the `active` slots, from their logit
+    rows: row 0 the pending token's (kept for the round's acceptance), rows 1..B the drafted block's."""
+    drafts = draft_tokens(logits[:, 1:block_size + 1], slots.counts, slots.lengths, slots.prompt_thinking,
+                          slots.controls, ids)
+    held = slots.drafts
+    new = slots._replace(drafts=held.at[:, :block_size].set(drafts), pending_logits=logits[:, 0])
+    slots = _where_slots(active, new, slots)
+    return slots, slots.drafts[:, :block_size]
+
+
+class VerifiedReport(NamedTuple):
+    choices: jax.Array          # int32 [S, B+1]: the first `emitted` are the round's tokens
+    emitted: jax.Array          # int32 [S]
+    finished: jax.Array         # bool [S]
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("slots",))
+def decide_verified(slots: SpeculativeSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
+                    block_size: int) -> tuple[SpeculativeSlots, VerifiedReport]:
+    """The round's acceptance for the `active` slots, from the verification rows' logits (rows
+    0..B-1) after the pending token's (kept by `decide_drafts`)."""
+    rows = jnp.concatenate([slots.pending_logits[:, None], logits[:, :block_size]], axis=1)
+    out = accept_drafts(rows, slots.drafts[:, :block_size], slots.counts, slots.lengths, slots.prompt_thinking,
+                        slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active)
+    slots = _where_slots(active, slots._replace(counts=out.counts, lengths=out.lengths), slots)
+    return slots, VerifiedReport(out.choices, out.emitted, out.finished)
