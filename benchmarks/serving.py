@@ -24,9 +24,9 @@ batching changes nothing).
 The forward's own batching ceiling (`batching_ceiling`): 16 one-sequence passes over one pass of
 16 sequences, the most that batching can gain on this machine when host work costs nothing (on
 2 CPU cores the passes are compute-bound well before 16 sequences). Target: at concurrency 16 the
-engine's gain over one at a time reaches >= 90% of that ceiling, on each model. (On a CPU the
-engine commits a lone slot's block in a pass of its own rather than in a 16-sequence commit pass,
-so it can pass 100% of this ceiling.)
+engine's gain over one at a time reaches >= 90% of that ceiling, on each model. (The ceiling counts
+a commit pass of all 16 sequences for every plain one; the engine's ragged pass holds a commit's
+rows only for the slots that commit, so it can pass 100% of this ceiling.)
 
 Then, in a fresh process with an empty compilation cache (`benchmarks/serving_burst.py`): after
 `Engine.precompile`, the first burst of 16 concurrent requests takes <= 1.15x a later burst of the
@@ -153,11 +153,11 @@ def batching_ceiling(engine, requests, slots: int = max(CONCURRENCY), repeats: i
     import jax.numpy as jnp
 
     from decoding.engine.requests import rows_needed
-    from decoding.engine.slots import capacity_bucket
 
     context = engine.context
     prepared = [engine.check(request) for request in requests]  # each request's own config (max_new_tokens)
-    capacity = capacity_bucket(max(rows_needed(len(p.prompt), p.config, p.mode) for p in prepared), engine.max_context)
+    rows = max(rows_needed(len(p.prompt), p.config, p.mode) for p in prepared)
+    capacity = min(-(-rows // 64) * 64, engine.max_context)  # the requests' rows, as a contiguous cache holds them
     block = prepared[0].config.block_size
     passes, coreset, top_p = context.passes, context.coreset, context.coreset_top_p
 

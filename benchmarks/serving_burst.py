@@ -85,8 +85,8 @@ def child(max_context: int, later: int, max_new_tokens: int) -> dict:
             "burst": BURST, "max_context": max_context, "max_new_tokens": max_new_tokens,
             "precompiled_programs": done.programs, "precompile_seconds": done.seconds, "precompiled_set": done.covers,
             "planned_programs": precompile.planned_programs(
-                modes=["diffusion"], block_sizes=[engine.defaults.block_size], max_running=BURST,
-                max_context=max_context, chunk_size=model.chunk_size)["total"],
+                modes=["diffusion"], block_sizes=engine.block_sizes, max_running=BURST, max_context=max_context,
+                chunk_size=engine.prefill_budget, prefix_cache=engine.prefix_cache is not None)["total"],
             "first_burst_s": first, "later_bursts_s": laters, "one_by_one_s": alone,
             "first_over_later": first / float(np.median(laters)), "first_over_one_by_one": first / alone,
             "later_over_one_by_one": float(np.median(laters)) / alone,

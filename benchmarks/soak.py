@@ -17,18 +17,17 @@ cache's bytes, entries, hits and evictions. Then every compiled program is freed
 (`jax.clear_caches()`) and RSS read once more: the memory without the programs (the engine loads
 them back from the persistent compilation cache as requests need them; `--keep-programs` skips this).
 
-Why: the programs are most of the memory (about 8.5 MB each for this model on XLA:CPU), and new
-ones keep arriving all through a soak, even for the same requests sent again — a lane's shapes and
-which requests meet in a step depend on timing. Their number is bounded by the engine's buckets
-(checked below; a join's program depends on the lane's shape and how many join alone, its entries
-padded to the lane's rows first); the memory that must not grow is the rest.
+The server precompiles its set first (`Engine.precompile`: every mode at block sizes 16 and 32),
+so no request should meet a program it did not compile: the engine's shapes are fixed for its life
+(one ragged forward per token padding, decisions per mode and block size), whatever the prompt
+lengths, the modes that meet in a pass or the cache's hits.
 
-Checked at the end: no 5xx or transport failure; nothing running, queued, held, prefilling or in a
-lane; the prefix cache within its budget, its byte, chunk and state counts equal to the trie counted
-afresh, and no chunk that no kept state needs; each engine function's programs at any reading
-within the bound its buckets allow (`program_bound`); resident memory
-without the programs grown by at most 10% from the end of the warm-up (after `malloc_trim` with
-`--keep-programs`).
+Checked at the end: no 5xx or transport failure; nothing running, queued or held, and every K/V page
+back in the pool but the prefix cache's; the prefix cache within its budget, its byte, chunk and
+state counts equal to the trie counted afresh, and no chunk that no kept state needs; no program
+compiled on demand after the precompile, and each engine function's programs at any reading within
+the precompiled set (`program_bound`); resident memory without the programs grown by at most 10%
+from the end of the warm-up (after `malloc_trim` with `--keep-programs`).
 
 Usage: `python benchmarks/soak.py [--requests 1500] [--warmup 150] [--phase 300] [--concurrency 8]
 [--prefix-cache-mb 1] [--fresh] [--keep-programs] [--tracemalloc] [--quick]` — exits 1 naming every
@@ -41,7 +40,6 @@ import argparse
 import collections
 import ctypes
 import gc
-import itertools
 import logging
 import os
 import sys
@@ -55,7 +53,7 @@ setup_environment()
 
 BUNDLED_DIR = os.path.join(REPO_ROOT, "clover_jax", "bundled", "tiny-clover")
 GROWTH_TARGET = 0.10
-BLOCK_SIZES = (16,)   # the mix asks for the checkpoint's block size only
+BLOCK_SIZES = (16, 32)   # the block sizes the mix asks for
 MODES = ("diffusion", "autoregressive", "self_speculative")
 PROGRESS = ("requests", "seconds", "rss_bytes", "rss_trimmed_bytes", "rss_without_programs_bytes", "programs",
             "process_compiles", "live_arrays", "prefix_cache")
@@ -94,59 +92,22 @@ class CompileCounter:
 
 
 def engine_programs() -> dict[str, int]:
-    """Compiled programs each of the engine's jitted functions holds (lanes, slots, prefix cache)."""
-    from decoding.engine import prefix_cache
+    """Compiled programs each of the engine's jitted functions holds."""
     from decoding.engine.precompile import PROGRAMS
 
-    functions = list(PROGRAMS) + [value for value in vars(prefix_cache).values() if hasattr(value, "_cache_size")]
-    return {function.__name__: function._cache_size() for function in functions}
+    return {function.__name__: function._cache_size() for function in PROGRAMS}
 
 
 def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int]:
-    """The most programs each engine function can compile, from the engine's buckets: lane sizes L
-    (powers of two up to `max_running`), cache buckets C of each lane kind (64, 128, ... up to its
-    rows), prefill chunk lengths P (with a prefix cache, powers of two up to the model's chunk).
-
-    steps: L x C x variants per lane kind (greedy and sampled; diffusion with and without a commit);
-    resizes (take_slots): a lane or one request's entry (L x C) into a lane (L x C), per kind; joins
-    (put_slots): a lane (L x C) and the number joining, padded to a power of two k <= the lane's
-    size rounded up to one (the entries come at the lane's rows: their buckets do not count), per
-    kind — `precompile.planned_programs`' joins; paddings (pad_rows): a staging bucket to each larger
-    bucket of C (lane kinds share them); prefill chunks: P x C (a first and a later chunk share a
-    program); staging states: C;
-    the prefix cache's copies: per staging bucket (kv_rows, gdn_states, put_kv_rows, put_gdn) and
-    per lane shape (slot_gdn, slot_kv_rows)."""
-    from decoding.engine.engine import UNIT
-    from decoding.engine.precompile import buckets, lane_sizes
-    from decoding.modes import Mode, strategy
-
-    sizes = lane_sizes(engine.max_running)
-    bound = collections.Counter()
-    staging, paddings = set(), set()
-    # joins into a lane of each size: k = 1, 2, 4, ... up to its size rounded up to a power of two
-    counts = sum((1 << max(size - 1, 0).bit_length()).bit_length() for size in sizes)
-    for mode in modes:
-        decoder = strategy(Mode(mode))
-        for _ in (block_sizes if decoder.decodes_blocks else [None]):
-            caps = buckets(engine.max_context + (0 if decoder.whole_blocks else UNIT))
-            staging.update(caps)
-            variants = (2 if decoder.whole_blocks else 1) * (1 if Mode(mode) == Mode.SELF_SPECULATIVE else 2)
-            lanes = len(sizes) * len(caps)
-            step = {Mode.DIFFUSION: "diffusion_step", Mode.AUTOREGRESSIVE: "autoregressive_step",
-                    Mode.SELF_SPECULATIVE: "speculative_step"}[Mode(mode)]
-            bound[step] += lanes * variants
-            bound["take_slots"] += lanes * lanes
-            bound["put_slots"] += counts * len(caps)
-            paddings.update(itertools.combinations(caps, 2))
-            bound["slot_gdn"] += lanes
-            bound["slot_kv_rows"] += lanes
-    chunk = engine.model.chunk_size
-    chunks = [1 << power for power in range(chunk.bit_length()) if 1 << power <= chunk]
-    bound["prefill_chunk"] = len(chunks) * len(staging)
-    for name in ("empty_staging", "kv_rows", "gdn_states", "put_kv_rows", "put_gdn"):
-        bound[name] = len(staging)
-    bound["pad_rows"] = len(paddings)
-    return dict(bound)
+    """The most programs each engine function can compile: the precompiled set's
+    (`precompile.planned_programs`), function by function — a forward pass per token padding; a
+    denoising step per block size, greedy and sampled, with and without log-probabilities; a
+    self-speculative round's drafts and acceptance per block size; the autoregressive choice greedy
+    and sampled; a slot write per mode; a slot's GDN states zeroed, read and restored."""
+    sizes = len(set(block_sizes))
+    return {"forward": len(engine.shapes.paddings), "decide_diffusion": 4 * sizes, "decide_drafts": sizes,
+            "decide_verified": sizes, "decide_autoregressive": 2, "put_slot": len(modes), "slot_gdn": 1,
+            "put_slot_gdn": 2}
 
 
 def malloc_trim() -> bool:
@@ -213,6 +174,8 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
                             prefix_cache_bytes=prefix_cache_bytes, block_sizes=BLOCK_SIZES)
     engine, cache = service.engine, service.engine.prefix_cache
     compiles = CompileCounter().start()
+    precompiled = engine.precompile(MODES, BLOCK_SIZES)
+    logger.info("soak: precompiled %d programs in %.1f s", precompiled.programs, precompiled.seconds)
     gc.collect()
     loaded = rss_bytes() if malloc_trim() else None  # the model loaded, no program compiled yet
     if python_heap:
@@ -245,7 +208,7 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
         heap_growth = [str(stat) for stat in tracemalloc.take_snapshot().compare_to(heap_at_warmup, "lineno")[:10]]
         tracemalloc.stop()
     left = {"running": health["running"], "queued": health["queued"], "held": len(engine._held),
-            "lanes": len(engine._lanes), "prefills": len(engine._prefills)}
+            "pages": engine.kv_pages_in_use() - cache.census()["pages"]}
     census = cache.census()
     cache_state = {"budget": cache.budget, "bytes": cache.nbytes, "nodes": cache.nodes, "states": cache.states,
                    "counted": census, "evicted": cache.evicted, "hits": cache.hits, "hit_tokens": cache.hit_tokens}
@@ -271,6 +234,8 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
             "rss_growth_measured_on": measure if end[measure] else "rss_bytes",
             "rss_growth_with_programs": end["rss_bytes"] / after_warmup["rss_bytes"] - 1,
             "prefix_cache": cache_state, "programs_by_function": dict(programs), "program_bound": bound,
+            "precompiled": {"programs": precompiled.programs, "seconds": round(precompiled.seconds, 1)},
+            "compiled_on_demand": engine.compiled_on_demand,
             "process_compiles_by_function": dict(compiles.by_name.most_common(40)),
             "python_heap_growth_top": heap_growth, "traffic": "fresh" if fresh else "the warm-up's, again",
             "rss_loaded_bytes": loaded, "rss_without_programs_bytes": rss_bytes(),
@@ -301,12 +266,14 @@ def checks(result: dict) -> list[dict]:
         check(f"soak: resident memory growth after the warm-up ({result['rss_growth_measured_on']})",
               result["rss_growth"], GROWTH_TARGET, at_least=False),
         check("soak: responses with a 5xx or a transport failure", result["server_errors"], 0, at_least=False),
-        check("soak: requests, lanes or prefills left in the engine", sum(result["left_in_engine"].values()), 0,
+        check("soak: requests or K/V pages (but the prefix cache's) left in the engine",
+              sum(result["left_in_engine"].values()), 0, at_least=False),
+        check("soak: programs compiled on demand after the precompile", result["compiled_on_demand"], 0,
               at_least=False),
         check("soak: prefix cache bytes over its budget", max(0, cache["bytes"] - cache["budget"]), 0, at_least=False),
         check("soak: prefix cache counts unlike the trie counted afresh, or chunks no state needs", mismatched, 0,
               at_least=False),
-        check("soak: engine programs beyond what its buckets allow", over_bound, 0, at_least=False),
+        check("soak: engine programs beyond the precompiled set", over_bound, 0, at_least=False),
     ]
 
 

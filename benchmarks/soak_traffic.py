@@ -1,9 +1,9 @@
 """The soak's traffic (`benchmarks/soak.py`): a fixed random mix of requests, and the clients that send it.
 
 Single requests: chat and completions; the three decoding modes; greedy and sampled; streamed and
-whole; a share cancelled mid-stream (the client closes the stream after its first chunk); a share
-invalid (one bad field: a 4xx); prompts of 1 to 24 digits, so that prompt lengths, batch sizes and
-cache sizes keep changing.
+whole; block sizes 16 and 32 (diffusion and self-speculative); a share cancelled mid-stream (the
+client closes the stream after its first chunk); a share invalid (one bad field: a 4xx); prompts of
+1 to 24 digits, so that prompt lengths and the mix of work in a pass keep changing.
 
 Conversations: an agent's multi-turn chat that resends its whole growing transcript each turn (its
 earlier messages and the server's replies), so that every turn after the first starts from a prefix
@@ -26,7 +26,10 @@ def _digits(chooser: random.Random) -> str:
 
 def _single(chooser: random.Random) -> dict:
     mode = chooser.choice(["diffusion", "diffusion", "autoregressive", "self_speculative"])
-    body = {"model": "tiny-clover", "max_tokens": chooser.choice([8, 16, 32, 48]), "mode": mode}
+    body = {"model": "tiny-clover", "max_tokens": chooser.choice([8, 16, 32, 48]), "mode": mode,
+            "block_size": chooser.choice([16, 16, 32])}
+    if mode == "autoregressive":
+        del body["block_size"]
     if mode != "self_speculative" and chooser.random() < 0.3:
         body.update(temperature=0.8, seed=chooser.randrange(2**31))
     chat = chooser.random() < 0.7

@@ -97,7 +97,7 @@ def chunk_scan(query, key, value, decay, beta, state, *, chunk_size: int, resets
     return out, state, None if before is None else jnp.moveaxis(before, 0, 1)
 
 
-def slot_chunk_scan(query, key, value, decay, beta, states, chunk_slot, chunk_first):
+def slot_chunk_scan(query, key, value, decay, beta, states, *, chunk_slot, chunk_first, count=None):
     """The chunked rule over the serving engine's ragged chunks, each segment starting from its
     slot's state (`clover_jax.core.ragged`).
 
@@ -105,9 +105,11 @@ def slot_chunk_scan(query, key, value, decay, beta, states, chunk_slot, chunk_fi
     decay, beta: [chunks, C, value_heads] (padding rows zero: they leave a state as it is);
     states: float32 [slots, value_heads, key_dim, value_dim]; chunk_slot: int32 [chunks], each
     chunk's slot; chunk_first: bool [chunks], the chunk starts its segment (the running state
-    restarts from its slot's). A segment's chunks follow each other in order.
-    returns (float32 out [chunks, C, value_heads, value_dim], float32 states: every slot's after its
-             segment's last chunk, the others' as given)
+    restarts from its slot's). A segment's chunks follow each other in order. count: int32 [], the
+    chunks that hold rows (the rest, padding at the end, are skipped: a pass of blocks alone runs
+    none); None: every chunk.
+    returns (float32 out [chunks, C, value_heads, value_dim], zeros past `count`; float32 states:
+             every slot's after its segment's last chunk, the others' as given)
     """
     num_value_heads = value.shape[2]
     repeat = lambda x: jnp.repeat(x, num_value_heads // x.shape[2], axis=2).astype(jnp.float32)
@@ -117,9 +119,11 @@ def slot_chunk_scan(query, key, value, decay, beta, states, chunk_slot, chunk_fi
     cumulative = jnp.cumsum(head_major(decay.astype(jnp.float32)), axis=-1)
     states = states.astype(jnp.float32)
 
-    def step(carry, chunk):
-        state, table = carry
-        query_c, key_c, value_c, beta_c, cumulative_c, slot, first = chunk
+    def step(index, carry):
+        state, table, out_all = carry
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
+        query_c, key_c, value_c, beta_c, cumulative_c, slot, first = map(
+            take, (query, key, value, beta, cumulative, chunk_slot, chunk_first))
         state = jnp.where(first, table[slot][None], state)
         new_value, decayed_key, query_decayed, key_to_chunk_end, intra, decay_c = _chunk_terms(
             query_c, key_c, value_c, beta_c, cumulative_c)
@@ -130,10 +134,11 @@ def slot_chunk_scan(query, key, value, decay, beta, states, chunk_slot, chunk_fi
             "bhcd,bhce->bhde", key_to_chunk_end, correction, precision=_EXACT)
         # every chunk writes its slot's entry; a segment's last chunk writes last
         table = jax.lax.dynamic_update_index_in_dim(table, state[0], slot, 0)
-        return (state, table), out[0]
+        return state, table, jax.lax.dynamic_update_index_in_dim(out_all, out[0], index, 0)
 
-    initial = (jnp.zeros((1,) + states.shape[1:], jnp.float32), states)
-    (_, states), out = jax.lax.scan(step, initial, (query, key, value, beta, cumulative, chunk_slot, chunk_first))
+    out = jnp.zeros(value.shape[:1] + value.shape[2:], jnp.float32)          # [chunks, heads, C, value_dim]
+    initial = (jnp.zeros((1,) + states.shape[1:], jnp.float32), states, out)
+    _, states, out = jax.lax.fori_loop(0, query.shape[0] if count is None else count, step, initial)
     return jnp.moveaxis(out, 1, 2), states  # [chunks, C, heads, value_dim]
 
 

@@ -14,9 +14,15 @@ Checks (each a row of the JSON and the Markdown):
   * `grouped_matmul` against `grouped_matmul_reference` (`jax.lax.ragged_dot`): 4096 routed rows,
     hidden 2048, 256 experts of intermediate 512 (gate_up and down), with and without a coreset of
     64 active experts; and `grouped_matmul_for_platform` (megablox on TPU); times beside ragged_dot;
+  * `paged_attention` (the serving engine's attention over K/V pages) against
+    `paged_attention_reference`: a pass of 1,024 rows in tiles of 16 over 16 slots of 4,096
+    positions, 16 query / 2 key-value heads of 256, bfloat16; its time beside the plain-JAX rule's;
   * decoding: a random model with the real layer shapes and `--groups` layer groups (3 GDN + 1
     attention each; vocabulary 248,320; bfloat16), batch 1: autoregressive tokens/s, and the time of
-    one denoising step of a 32-token block with the coreset, both with `impl="auto"`.
+    one denoising step of a 32-token block with the coreset, both with `impl="auto"`;
+  * the serving engine on a random model of `--engine-groups` groups (10: Clover-35B's 40 layers, on
+    a device), block diffusion at block size 32: the median time of one engine pass with 1 request
+    and with 16 (a narrow set: the passes those requests meet compile as they come).
 The device is named in the output. Nothing is written unless --out / --markdown is given.
 """
 
@@ -33,9 +39,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REAL = dict(tokens=2048, key_heads=16, value_heads=32, head_dim=128, rows=4096, hidden=2048, experts=256,
-            intermediate=512, coreset=64, vocab=248320, attention_heads=16, kv_heads=2, attention_head_dim=256)
+            intermediate=512, coreset=64, vocab=248320, attention_heads=16, kv_heads=2, attention_head_dim=256,
+            paged_tokens=1024, paged_slots=16, paged_context=4096)
 SMALL = dict(tokens=80, key_heads=2, value_heads=4, head_dim=16, rows=96, hidden=64, experts=8, intermediate=32,
-             coreset=3, vocab=512, attention_heads=4, kv_heads=2, attention_head_dim=32)
+             coreset=3, vocab=512, attention_heads=4, kv_heads=2, attention_head_dim=32, paged_tokens=64,
+             paged_slots=4, paged_context=64)
 
 
 def timed(fn, repeats: int) -> float:
@@ -184,6 +192,70 @@ def check_decoding(shapes: dict, groups: int, repeats: int) -> dict:
             "autoregressive_generate_32_tokens_s": long, "denoise_step_ms_after_256": 1e3 * step}
 
 
+def check_paged_attention(shapes: dict, interpret: bool, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from clover_jax.nn.paged_attention import paged_attention as plain
+    from pallas_kernels.paged_attention import TILE_ROWS, paged_attention
+    from pallas_kernels.paged_attention_reference import paged_attention_reference
+
+    tokens, slots, context, page = shapes["paged_tokens"], shapes["paged_slots"], shapes["paged_context"], 16
+    heads, kv_heads, dim = shapes["attention_heads"], shapes["kv_heads"], shapes["attention_head_dim"]
+    per_slot = context // page
+    rng = np.random.default_rng(0)
+    pages = lambda: jnp.asarray(rng.normal(size=(1, slots * per_slot + 1, kv_heads, page, dim)), jnp.bfloat16)
+    keys, values = pages(), pages()
+    table = jnp.asarray(1 + rng.permutation(slots * per_slot).reshape(slots, per_slot), jnp.int32)
+    rows_per_slot = tokens // slots
+    slot = np.repeat(np.arange(slots), rows_per_slot).astype(np.int32)
+    limit = (context - rows_per_slot + np.tile(np.arange(1, rows_per_slot + 1), slots)).astype(np.int32)
+    tiles = np.arange(tokens, dtype=np.int32).reshape(-1, TILE_ROWS)
+    tile_slot = slot[tiles[:, 0]]
+    query = jnp.asarray(rng.normal(size=(tokens, heads, dim)) * dim ** -0.5, jnp.bfloat16)
+    args = (query, keys, values, jnp.int32(0), table, jnp.asarray(limit), jnp.asarray(tiles), jnp.asarray(tile_slot))
+    kernel = jax.jit(lambda *a: paged_attention(*a, interpret=interpret))
+    ours = kernel(*args)
+    reference = paged_attention_reference(query, keys, values, 0, table, jnp.asarray(slot), jnp.asarray(limit))
+    error = relative_error(ours, reference)
+    # bfloat16 attention weights meet the values in the kernel (as flash attention's do): bfloat16's rounding
+    row = {"kernel": "paged_attention", "shape": f"{tokens} rows x {heads}/{kv_heads} heads x {dim}, {slots} slots "
+           f"of {context}", "relative_error": error, "passed": error < 2e-2}
+    if not interpret:
+        # the plain-JAX rule scales its queries itself: it is handed them unscaled
+        unscaled = (query.astype(jnp.float32) / dim ** -0.5).astype(query.dtype)
+        rule = jax.jit(lambda *a: plain(*a))
+        rule_args = (unscaled, keys, values, 0, table, jnp.asarray(tiles), jnp.asarray(tile_slot), jnp.asarray(limit))
+        row["kernel_ms"] = round(1e3 * timed(lambda: kernel(*args), repeats), 3)
+        row["xla_ms"] = round(1e3 * timed(lambda: rule(*rule_args), repeats), 3)
+    return row
+
+
+def check_engine(shapes: dict, groups: int) -> dict:
+    """ms per engine pass with 1 and 16 requests decoding by block diffusion (block size 32)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from decoding.engine import Engine, EngineRequest
+
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    model = random_model(shapes, groups, dtype)
+    rng = np.random.default_rng(0)
+    request = lambda seed: EngineRequest(rng.integers(0, shapes["vocab"] - 2, 100).tolist(), seed=seed, overrides={
+        "max_new_tokens": 96, "block_size": 32, "dllm_length_penalty": 0.0, "threshold": 0.99})
+    out = {"layers": 4 * groups, "dtype": str(jnp.dtype(dtype))}
+    with Engine(model, max_running=16, block_sizes=[32], prefill_budget=512, kv_cache_bytes=1 << 30) as engine:
+        for count in (1, 16):
+            engine.run([request(k) for k in range(count)], timeout=1800)  # compiles the passes they meet
+            first = len(engine.passes)
+            engine.run([request(100 + k) for k in range(count)], timeout=1800)
+            decoding = [seconds for _, seconds, _, prompt_rows in list(engine.passes)[first:] if not prompt_rows]
+            out[f"pass_ms_{count}_slots"] = round(1e3 * statistics.median(decoding), 2) if decoding else None
+    return out
+
+
 def _seconds(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -199,10 +271,12 @@ def markdown(result: dict) -> str:
         reference = row.get("xla_ms", row.get("ragged_dot_ms"))
         lines.append(f"| {row['kernel']} | {row['shape']} | {row['relative_error']:.2e} | {row['passed']} | "
                      f"{row.get('kernel_ms', '—')} | {reference if reference is not None else '—'} |")
-    d = result["decoding"]
+    d, e = result["decoding"], result["engine"]
     lines += ["", f"Decoding, {d['layers']} layers with the real layer shapes, {d['dtype']}, batch 1: "
               f"{d['autoregressive_tokens_per_s']:.1f} autoregressive tokens/s; one denoising step of 32 after 256 "
-              f"tokens: {d['denoise_step_ms_after_256']:.2f} ms ({d['kernels']}).", ""]
+              f"tokens: {d['denoise_step_ms_after_256']:.2f} ms ({d['kernels']}).", "",
+              f"The serving engine, {e['layers']} layers, {e['dtype']}, block diffusion at block size 32: "
+              f"{e['pass_ms_1_slots']} ms a pass with 1 request, {e['pass_ms_16_slots']} ms with 16.", ""]
     return "\n".join(lines)
 
 
@@ -211,6 +285,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="small shapes (any machine; CPU runs interpret mode)")
     parser.add_argument("--groups", type=int, default=2, help="layer groups of the decoding model")
+    parser.add_argument("--engine-groups", type=int, default=None,
+                        help="layer groups of the engine's model (default: 10, Clover's 40 layers, on a device; "
+                             "--groups on a CPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--markdown", help="write a Markdown report here")
@@ -225,9 +302,11 @@ def main(argv=None) -> int:
     shapes = SMALL if args.small or interpret else REAL
     kernels = [check_gdn(shapes, interpret, args.repeats)]
     kernels += check_grouped_matmuls(shapes, platform, interpret, args.repeats)
+    kernels.append(check_paged_attention(shapes, interpret, args.repeats))
     result = {"device": f"{jax.devices()[0].device_kind} ({platform})", "small": shapes is SMALL,
               "date": datetime.date.today().isoformat(), "jax": jax.__version__, "kernels": kernels,
               "decoding": check_decoding(shapes, args.groups, args.repeats),
+              "engine": check_engine(shapes, args.engine_groups or (args.groups if interpret else 10)),
               "all_passed": all(row["passed"] for row in kernels)}
     text = json.dumps(result, indent=1)
     print(text)

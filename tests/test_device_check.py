@@ -22,8 +22,11 @@ def test_device_check_runs_and_every_kernel_equals_its_oracle(tmp_path):
     result = json.loads(out.read_text())
     assert result["all_passed"] and result["small"]
     kernels = {row["kernel"] for row in result["kernels"]}
-    assert {"gdn_chunk", "grouped_matmul gate_up", "grouped_matmul (coreset) down"} <= kernels
-    # the same bfloat16 inputs, float32 accumulation
-    assert all(row["relative_error"] < 1e-4 for row in result["kernels"])
+    assert {"gdn_chunk", "grouped_matmul gate_up", "grouped_matmul (coreset) down", "paged_attention"} <= kernels
+    # the same bfloat16 inputs, float32 accumulation; paged attention weighs bfloat16 values with
+    # bfloat16 attention weights, as flash attention does
+    assert all(row["relative_error"] < (2e-2 if row["kernel"] == "paged_attention" else 1e-4)
+               for row in result["kernels"])
     assert result["decoding"]["autoregressive_tokens_per_s"] > 0 and result["decoding"]["layers"] == 4
+    assert result["engine"]["pass_ms_1_slots"] > 0 and result["engine"]["pass_ms_16_slots"] > 0
     assert "Device check on" in report.read_text()

@@ -14,6 +14,11 @@ chunk — asks the same `KernelChoice`.
 | "pallas" | "dot_product_attention" (cuDNN on GPU) | "pallas" (`gdn_chunk`)       | "grouped" (grouped matmuls)    |
 | "auto"   | GPU: as "pallas"; TPU, CPU: as "xla"   | GPU, TPU: Pallas; CPU: XLA   | GPU, TPU: grouped; CPU: tiled  |
 
+The serving engine's ragged pass (`clover_jax.core.ragged`) reads attention K/V through page
+tables (`pages`): "pallas" is the kernel `pallas_kernels.paged_attention` (TPU and GPU drivers;
+what "pallas", and "auto" on GPU and TPU, choose), "xla" the same rule in plain JAX
+(`clover_jax.nn.paged_attention`; "xla", and "auto" on CPU).
+
 One causal row (an autoregressive step) always takes the "recurrent" per-token rule. A training
 pass's clean stream takes `block_states_rule`: the same "pallas" / "chunked" choice, with the state
 kept at every block boundary. The
@@ -111,11 +116,12 @@ class KernelChoice:
     gdn_chunk: int | None = None
     expert_strategy: str = "auto"
     expert_chunk_rows: int | None = None
+    pages: str = "xla"         # the ragged pass's attention over K/V pages: "xla" | "pallas"
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
             raise ValueError(f"KernelChoice.attention={self.attention!r} is not one of {ATTENTIONS}")
-        for field, value in (("gdn", self.gdn), ("moe", self.moe)):
+        for field, value in (("gdn", self.gdn), ("moe", self.moe), ("pages", self.pages)):
             if value not in ("xla", "pallas"):
                 raise ValueError(f"KernelChoice.{field}={value!r} is not one of ('xla', 'pallas')")
         if self.expert_strategy not in EXPERT_STRATEGIES:
@@ -177,4 +183,4 @@ def choose_kernels(impl: str = "auto", platform: str | None = None) -> KernelCho
     if impl == "xla" or (impl == "auto" and platform == "cpu"):
         return KernelChoice(platform=platform)
     attention = "dot_product_attention" if impl == "pallas" or platform == "gpu" else "online_softmax"
-    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform)
+    return KernelChoice(attention=attention, gdn="pallas", moe="pallas", platform=platform, pages="pallas")

@@ -12,10 +12,12 @@ callers run, with named arguments:
 | `denoise`            | none                 | all        | every row               | denoising steps                 |
 | `commit_and_denoise` | the committed tokens | the block  | the block's (or all)    | block commits, drafts, training |
 | `recording_causal`   | all, recorded        | none       | every row               | self-speculative verification   |
-| `ragged`             | each slot's segment  | each slot's | the rows it names      | the serving engine's step       |
+| `ragged`             | each slot's segment  | each slot's | (hidden states)        | the serving engine's step       |
 
 `ragged` runs the serving engine's step over a `clover_jax.core.ragged.PagedState` (K/V in pages,
-GDN states in slots): every slot's causal segment, then its block, in one flat row of tokens.
+GDN states in slots): every slot's causal segment, then its block, in one flat row of tokens. It
+returns the final hidden states of the rows each slot needs logits of; `head_logits` turns them
+into logits (the engine's decisions do, for the rows each decision reads).
 
 The model side (`clover_jax.nn.model.TransformerPasses`) implements four primitives — `run` (one
 pass, every argument named), `new_state`, `recording` and `rolled_back` — and holds what they
@@ -64,6 +66,14 @@ class PassOutput(NamedTuple):
     distinct_experts: jax.Array
 
 
+class RaggedOutput(NamedTuple):
+    """hidden: [S, W, hidden] (after the final norm), the rows `batch.logit_rows` names, slot by slot;
+    state: the `PagedState` after the pass."""
+
+    hidden: jax.Array
+    state: "PagedState"
+
+
 class ModelPasses(abc.ABC):
     """The passes of one model (see the module docstring). params: the parameter pytree in the
     layout the model runs with; state: a `ModelState`; ids: int [batch, rows]."""
@@ -92,12 +102,16 @@ class ModelPasses(abc.ABC):
 
     @abc.abstractmethod
     def ragged(self, params: Params, input_ids: jax.Array, batch: "PagedBatch", state: "PagedState", *,
-               coreset: bool, coreset_top_p: Any) -> PassOutput:
+               coreset: bool, coreset_top_p: Any) -> RaggedOutput:
         """The serving engine's step: `input_ids` (int32 [T]) laid out by `batch` over the slots
         of `state` (`clover_jax.core.ragged`); block rows route within their block's coreset when
-        `coreset`. logits: float32 [S, W, vocab], the rows `batch.logit_rows` names; state: the
-        `PagedState` after every row's K/V is written and every writing causal segment has
-        advanced its slot's GDN state."""
+        `coreset`. hidden: [S, W, hidden], the final hidden states of the rows `batch.logit_rows`
+        names; state: the `PagedState` after every row's K/V is written and every writing causal
+        segment has advanced its slot's GDN state."""
+
+    @abc.abstractmethod
+    def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        """The LM head: hidden states [..., hidden] (after the final norm) -> float32 [..., vocab]."""
 
     @abc.abstractmethod
     def new_paged_state(self, slots: int, num_pages: int, page_size: int) -> "PagedState":

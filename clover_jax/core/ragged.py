@@ -13,9 +13,10 @@ other, at most:
 
 The state has a fixed shape, whatever the mix of modes and context lengths:
 
-* `KVPages` per attention layer: one pool of `num_pages` pages of `page_size` positions; a slot
-  reads and writes its positions through its row of the page table (position p lives at row
-  `p % page_size` of page `page_table[slot, p // page_size]`). Every row of a pass writes its K/V
+* `KVPages` per attention layer: one pool of `num_pages` pages of `page_size` positions, each
+  page a [kv_heads, page_size, head_dim] slab (a head's page is contiguous: what a kernel copies);
+  a slot reads and writes its positions through its row of the page table (position p lives at
+  row `p % page_size` of page `page_table[slot, p // page_size]`). Every row of a pass writes its K/V
   there (block rows too: past the slot's committed length, where the next write overwrites them
   and no causal read reaches), so attention is one rule: a row attends to its slot's positions
   `[0, limit)`. Page 0 is never handed to a slot: padding rows write there.
@@ -48,7 +49,7 @@ class RaggedMode(NamedTuple):
 
 
 class KVPages(NamedTuple):
-    """key, value: [num_groups, num_pages, page_size, kv_heads, head_dim]; keys stored rotated."""
+    """key, value: [num_groups, num_pages, kv_heads, page_size, head_dim]; keys stored rotated."""
 
     key: jax.Array
     value: jax.Array
@@ -63,7 +64,7 @@ class PagedState(NamedTuple):
     def page_size(self) -> int:
         for layer in self.layers.values():
             if isinstance(layer, KVPages):
-                return layer.key.shape[2]
+                return layer.key.shape[3]
         return 1
 
     @property
@@ -95,6 +96,8 @@ class PagedBatch(NamedTuple):
       chunk_rows: int32 [NC, C], each chunk's rows (T: padding), a causal segment split into
       whole chunks from its first row; chunk_slot: int32, the chunk's slot; chunk_first: bool,
       the chunk starts its segment (the recurrence restarts from the slot's state).
+    Per attention tile [NA] (what the paged attention kernel runs, `pallas_kernels.paged_attention`):
+      tile_rows: int32 [NA, R], up to R consecutive rows of one slot (T: padding); tile_slot: int32.
     """
 
     slot: jax.Array
@@ -113,6 +116,8 @@ class PagedBatch(NamedTuple):
     chunk_rows: jax.Array
     chunk_slot: jax.Array
     chunk_first: jax.Array
+    tile_rows: jax.Array
+    tile_slot: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +160,7 @@ def empty_paged_state(config: CloverConfig, slots: int, num_pages: int, page_siz
                 recurrent=jnp.zeros((groups, slots, config.linear_num_value_heads, config.linear_key_head_dim,
                                      config.linear_value_head_dim), jnp.float32))
         else:
-            shape = (groups, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+            shape = (groups, num_pages, config.num_key_value_heads, page_size, config.head_dim)
             layers[slot_name(index)] = KVPages(key=jnp.zeros(shape, dtype), value=jnp.zeros(shape, dtype))
     return PagedState(layers)
 
@@ -190,14 +195,20 @@ class SlotWork(NamedTuple):
 
 
 def chunk_shape(num_tokens: int, num_slots: int, chunk: int) -> tuple[int, int]:
-    """(chunks, rows per chunk) of a pass of `num_tokens` padded tokens (a power of two): segments
-    start whole chunks, so at most one partial chunk per slot beside the full ones."""
-    rows = min(chunk, num_tokens)
-    return num_tokens // rows + num_slots, rows
+    """(chunks, rows per chunk) of a pass of `num_tokens` padded tokens: segments start whole
+    chunks, so at most one partial chunk per slot beside the full ones. A chunk holds about a slot's
+    share of the pass (a power of two from 16 up to `chunk`): a pass of many short segments (commits,
+    tokens) pays for short chunks, a long prefill's pass for long ones."""
+    share = max(1, num_tokens // max(num_slots, 1))
+    rows = min(chunk, num_tokens, max(16, 1 << (share.bit_length() - 1)))
+    return -(-num_tokens // rows) + num_slots, rows
+
+
+ATTENTION_TILE = 16  # rows per attention tile (`pallas_kernels.paged_attention.TILE_ROWS`)
 
 
 def layout(works: list[SlotWork], *, num_tokens: int, page_table, max_block: int, logit_width: int,
-           chunk: int) -> tuple:
+           chunk: int, tile: int = ATTENTION_TILE) -> tuple:
     """(token ids int32 [T], `PagedBatch` of NumPy arrays) for `works` (at most one per slot, each
     slot's rows next to each other) padded to `num_tokens` rows. page_table: int32 [S,
     pages_per_slot]. ValueError when the works do not fit the shapes."""
@@ -222,7 +233,10 @@ def layout(works: list[SlotWork], *, num_tokens: int, page_table, max_block: int
     chunk_rows = np.full((num_chunks, chunk_rows_each), num_tokens, np.int32)
     chunk_slot = np.zeros(num_chunks, np.int32)
     chunk_first = np.ones(num_chunks, bool)  # padding chunks restart (from slot 0's state) and change nothing
-    row, next_chunk, seen = 0, 0, set()
+    num_tiles, _ = chunk_shape(num_tokens, num_slots, tile)
+    tile_rows = np.full((num_tiles, min(tile, num_tokens)), num_tokens, np.int32)
+    tile_slot = np.zeros(num_tiles, np.int32)
+    row, next_chunk, next_tile, seen = 0, 0, 0, set()
     for work in works:
         if work.slot in seen or not 0 <= work.slot < num_slots:
             raise ValueError(f"slot {work.slot} appears twice or is not one of the {num_slots} slots")
@@ -254,9 +268,15 @@ def layout(works: list[SlotWork], *, num_tokens: int, page_table, max_block: int
             block_rows[work.slot, :len(work.block)] = row + len(work.causal) + np.arange(len(work.block))
             block_length[work.slot] = len(work.block)
         logit_rows[work.slot, :len(work.logit_rows)] = row + np.asarray(work.logit_rows, np.int32)
+        for first in range(0, count, tile_rows.shape[1]):
+            size = min(tile_rows.shape[1], count - first)
+            tile_rows[next_tile, :size] = row + first + np.arange(size)
+            tile_slot[next_tile] = work.slot
+            next_tile += 1
         row += count
     batch = PagedBatch(slot=slot, position=position, valid=valid, causal=causal, limit=limit, offset=offset,
                        page_table=page_table, writes=writes, causal_start=causal_start, causal_length=causal_length,
                        block_rows=block_rows, block_length=block_length, logit_rows=logit_rows,
-                       chunk_rows=chunk_rows, chunk_slot=chunk_slot, chunk_first=chunk_first)
+                       chunk_rows=chunk_rows, chunk_slot=chunk_slot, chunk_first=chunk_first, tile_rows=tile_rows,
+                       tile_slot=tile_slot)
     return ids, batch

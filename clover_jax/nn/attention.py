@@ -31,7 +31,7 @@ from clover_jax.core.streams import StreamMode
 from clover_jax.nn.fused_attention import fused_attention
 from clover_jax.nn.layers import Linear, RMSNorm
 from clover_jax.nn.online_attention import KEY_BLOCK, KeySegment, array_segment, online_attention
-from clover_jax.nn.paged_attention import paged_attention, write_pages
+from clover_jax.nn.paged_attention import paged_attention, paged_kernel, write_pages
 from clover_jax.nn.rope import apply_partial_rope, rope_angles
 from clover_jax.nn.stream_attention import two_stream_attention
 from clover_jax.parallel.sharding import MeshSharding
@@ -122,12 +122,17 @@ class GatedAttention(nn.Module):
         config = self.config
         cos, sin = rope_angles(batch.position[None], config.rotary_dim, config.rope_theta)
         query, key = apply_partial_rope(query, cos, sin)[0], apply_partial_rope(key, cos, sin)[0]
-        page, row_in_page = batch.page_address(pages.key.shape[2])
+        page, row_in_page = batch.page_address(pages.key.shape[3])
         # written into the stacked pool in place (a slice of our group would be copied out and back)
         pages = KVPages(write_pages(pages.key, group, key, page, row_in_page),
                         write_pages(pages.value, group, value[0], page, row_in_page))
-        out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.slot,
-                              jnp.where(batch.valid, batch.limit, 0))
+        limit = jnp.where(batch.valid, batch.limit, 0)
+        if self.kernels.pages == "pallas":
+            out = paged_kernel(query * config.head_dim ** -0.5, pages, group, batch, limit, self.kernels,
+                               self.mesh_sharding)
+        else:
+            out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.tile_rows,
+                                  batch.tile_slot, limit)
         return self._output(out[None], gate), pages
 
     def _output(self, out: jax.Array, gate: jax.Array) -> jax.Array:

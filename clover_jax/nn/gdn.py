@@ -274,9 +274,10 @@ class GatedDeltaNet(nn.Module):
         query, key, value = split_qkv(jax.nn.silu(conv)[None])
         beta, decay = jax.nn.sigmoid(beta_logit), decay_of(decay_logit)
         chunked = lambda values: gather_rows(values, batch.chunk_rows)
+        count = jnp.sum(batch.chunk_rows[:, 0] < mixed.shape[0])  # chunks holding rows come first
         out, recurrent = slot_chunk_scan(chunked(query[0] * config.linear_key_head_dim ** -0.5), chunked(key[0]),
                                          chunked(value[0]), chunked(decay), chunked(beta), state.recurrent,
-                                         batch.chunk_slot, batch.chunk_first)
+                                         chunk_slot=batch.chunk_slot, chunk_first=batch.chunk_first, count=count)
         core = scatter_rows(jnp.zeros((mixed.shape[0],) + out.shape[2:], jnp.float32), batch.chunk_rows, out)
 
         # Each writing slot's conv window after its segment: the last K-1 rows of [window; segment].

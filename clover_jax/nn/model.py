@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KernelChoice
-from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput
+from clover_jax.core.passes import ModelPasses, Params, PassMode, PassOutput, RaggedOutput
 from clover_jax.core.ragged import PagedBatch, PagedState, RaggedMode, empty_paged_state, gather_rows
 from clover_jax.core.state import ModelState, Rows, empty_state, rows_for, slot_name
 from clover_jax.core.streams import StreamMode, Streams
@@ -51,7 +51,7 @@ from clover_jax.nn.layers import RMSNorm, table_param
 from clover_jax.nn.moe import RouterStats, SparseMoE
 from clover_jax.nn.remat import LAYER_INPUT, REMAT
 from clover_jax.nn.run_layout import unstack_groups
-from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_state
+from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_paged_state, constrain_state
 
 LAYER_LOOPS = ("scan", "unrolled")
 
@@ -205,8 +205,9 @@ class CloverTransformer(nn.Module):
         a `StreamOutput` with the final hidden states of both streams, not logits.
 
         A ragged pass (`ragged` given, `state` a `PagedState`): `input_ids` is [1, T], the
-        serving engine's segments (`clover_jax.core.ragged`); logits are those of the rows
-        `ragged.logit_rows` names, float32 [S, W, vocab], and the state comes back as a `PagedState`.
+        serving engine's segments (`clover_jax.core.ragged`); the result is a `RaggedOutput`, the
+        final hidden states of the rows `ragged.logit_rows` names ([S, W, hidden]: the engine's
+        decisions apply the LM head to the rows they read, `head_logits`) and the `PagedState`.
         """
         config = self.config
         num_tokens = input_ids.shape[1]
@@ -264,8 +265,7 @@ class CloverTransformer(nn.Module):
         head = embedding.table() if config.tie_word_embeddings else table_param(self, config, "lm_head")
         if ragged is not None:
             hidden = norm(gather_rows(hidden[0], ragged.logit_rows))                  # [S, W, hidden]
-            logits = jnp.einsum("swh,vh->swv", hidden, head, preferred_element_type=jnp.float32)
-            return PassOutput(logits, PagedState(layers), None)
+            return RaggedOutput(hidden, constrain_paged_state(PagedState(layers), self.mesh_sharding))
         hidden = norm(hidden[:, logits_from:])
         if streams is not None:
             return StreamOutput(hidden, head, None if sown is None else self.router_stats_by_layer(sown))
@@ -319,12 +319,18 @@ class TransformerPasses(ModelPasses):
         return rollback.recording(state, self.module.config, rows)
 
     def ragged(self, params: Params, input_ids: jax.Array, batch: PagedBatch, state: PagedState, *, coreset: bool,
-               coreset_top_p: Any) -> PassOutput:
+               coreset_top_p: Any) -> RaggedOutput:
         return self.module.apply({"params": params}, input_ids[None], state, coreset=coreset,
                                  coreset_top_p=coreset_top_p, ragged=batch)
 
+    def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        config = self.module.config
+        head = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else params["lm_head"]
+        return jnp.einsum("...h,vh->...v", hidden, head, preferred_element_type=jnp.float32)
+
     def new_paged_state(self, slots: int, num_pages: int, page_size: int) -> PagedState:
-        return empty_paged_state(self.module.config, slots, num_pages, page_size, self.module.dtype)
+        state = empty_paged_state(self.module.config, slots, num_pages, page_size, self.module.dtype)
+        return constrain_paged_state(state, self.module.mesh_sharding)
 
     def rolled_back(self, state: ModelState, keep: jax.Array, rows: int) -> ModelState:
         return rollback.rolled_back(state, keep, rows, self.module.kernels)

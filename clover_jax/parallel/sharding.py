@@ -33,6 +33,7 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout, nested
 from clover_jax.core.params import find_param
 from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
+from clover_jax.core.ragged import KVPages, PagedState
 from clover_jax.core.state import GDNState, KVCache, ModelState
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,23 @@ class MeshSharding:
                                         recurrent=self.sharding(("layers", "batch", "value_heads", None, None), batch))
         return ModelState(length=self.sharding(()), start=self.sharding(("batch",), batch), layers=layers)
 
+    def paged_state_shardings(self, state: PagedState) -> PagedState:
+        """Shardings for the serving engine's `PagedState` (a pytree of the same structure): pages
+        and slot states over the heads' axis, slots and pages whole on every device."""
+        layers = {}
+        for name, layer in state.layers.items():
+            if isinstance(layer, KVPages):
+                pages = self.sharding(("layers", None, "kv_heads", None, None))
+                layers[name] = KVPages(pages, pages)
+            else:
+                layers[name] = GDNState(conv=self.sharding(("layers", None, None, None)),
+                                        recurrent=self.sharding(("layers", None, "value_heads", None, None)))
+        return PagedState(layers)
+
+    def replicated(self) -> NamedSharding:
+        """Whole on every device (the engine's per-slot decoding state)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def abstract_params(self, dtype: Any, quantize: "QuantSpec | None" = None) -> dict:
         """The parameter pytree as `jax.ShapeDtypeStruct`s in `dtype`, each with its sharding, and
         the weights `quantize` applies to as `QuantizedWeight`s of values and scales: what
@@ -192,6 +210,13 @@ def constrain_state(state: ModelState, mesh_sharding: MeshSharding | None) -> Mo
     if mesh_sharding is None:
         return state
     return jax.lax.with_sharding_constraint(state, mesh_sharding.state_shardings(state))
+
+
+def constrain_paged_state(state: PagedState, mesh_sharding: MeshSharding | None) -> PagedState:
+    """Inside jit: pin the serving engine's paged state to its shardings (a no-op on one device)."""
+    if mesh_sharding is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, mesh_sharding.paged_state_shardings(state))
 
 
 def constrain_batch(array: Any, mesh_sharding: MeshSharding | None) -> Any:

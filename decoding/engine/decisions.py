@@ -1,9 +1,11 @@
 """The engine's compiled programs: the ragged forward of a step, and the decisions that read it.
 
 `forward` runs one ragged pass (`clover_jax.core.ragged`) over every slot's work of the step; its
-shape is the padded token count alone. The decisions then turn the pass's logits (float32
-[S, W, vocab], each slot's logit rows) into tokens, each with the function `generate`'s loops run,
-over every slot of the engine at once and masked to the slots the decision is for:
+shape is the padded token count alone. It returns the final hidden states of each slot's logit
+rows ([S, W, hidden]: small, and of one shape whatever the pass). The decisions then apply the LM
+head to the rows they read (a denoising step of block size B: each slot's first B) and turn the
+logits into tokens, each with the function `generate`'s loops run, over every slot of the engine at
+once and masked to the slots the decision is for:
 
 | program                 | static             | what it decides                                        |
 |-------------------------|--------------------|--------------------------------------------------------|
@@ -12,8 +14,9 @@ over every slot of the engine at once and masked to the slots the decision is fo
 | `decide_drafts`         | B                  | a self-speculative round's drafts                       |
 | `decide_verified`       | B                  | the round's accepted run (`speculative.accept_drafts`)  |
 
-None of them holds a forward pass, so the programs that do are one per padded token count,
-whatever the modes and block sizes served (docs/serving.md, "The engine's shapes").
+None of them holds the backbone's forward pass, so the programs that do are one per padded token
+count, whatever the modes and block sizes served (docs/serving.md, "The engine's shapes"); and no
+decision's shape depends on the pass's, so they are one per block size and variant.
 
 The programs are plain `jax.jit` (JAX's persistent compilation cache keeps them across
 processes) rather than `clover_jax.core.executable_cache.persistent_jit`, whose per-call work
@@ -47,9 +50,9 @@ from decoding.speculative import accept_drafts, draft_tokens
 @functools.partial(jax.jit, static_argnames=("passes", "coreset"), donate_argnames=("state",))
 def forward(passes: ModelPasses, params: Any, state: PagedState, token_ids: jax.Array, batch: PagedBatch,
             coreset_top_p: jax.Array, *, coreset: bool) -> tuple[jax.Array, PagedState]:
-    """One ragged pass: (logits float32 [S, W, vocab], the state after it)."""
+    """One ragged pass: (the hidden states of each slot's logit rows [S, W, hidden], the state after it)."""
     out = passes.ragged(params, token_ids, batch, state, coreset=coreset, coreset_top_p=coreset_top_p)
-    return out.logits, out.state
+    return out.hidden, out.state
 
 
 def per_slot_choice(controls: Controls, sampling: jax.Array, sample: bool):
@@ -85,12 +88,13 @@ class DiffusionReport(NamedTuple):
     top_values: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "sample", "scores"), donate_argnames=("slots",))
-def decide_diffusion(slots: DiffusionSlots, logits: jax.Array, active: jax.Array, committed: jax.Array,
-                     ids: TokenIds, *, block_size: int, sample: bool,
+@functools.partial(jax.jit, static_argnames=("passes", "block_size", "sample", "scores"), donate_argnames=("slots",))
+def decide_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hidden: jax.Array, active: jax.Array,
+                     committed: jax.Array, ids: TokenIds, *, block_size: int, sample: bool,
                      scores: bool) -> tuple[DiffusionSlots, DiffusionReport]:
     """A denoising step of the `active` slots (bool [S]: diffusion requests of block size
-    `block_size` whose block the pass ran), from their logit rows 0..B-1. `committed` (bool [S]):
+    `block_size` whose block the pass ran), from their logit rows 0..B-1 (`hidden` [S, W, hidden],
+    the pass's; the LM head is applied here, to those rows). `committed` (bool [S]):
     slots whose pass committed their closed block — they start their next block first, all masks.
     sample: some active slot samples; scores: some asks for log-probabilities."""
     size = block_size
@@ -108,7 +112,7 @@ def decide_diffusion(slots: DiffusionSlots, logits: jax.Array, active: jax.Array
     rules = StepRules(controls=controls, ids=ids, steps_cap=slots.steps_cap,
                       choose=per_slot_choice(controls, slots.sample, sample),
                       schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))
-    block_logits = logits[:, :size]
+    block_logits = passes.head_logits(params, hidden[:, :size])                  # [S, B, vocab]
     before = progress
     progress, details = denoising_step(progress, slots.facts, block_logits, rules)
     progress = progress._replace(finished=jnp.where(active, progress.finished, held.finished))
@@ -148,13 +152,14 @@ class AutoregressiveReport(NamedTuple):
     finished: jax.Array         # bool [S]: it was the slot's last
 
 
-@functools.partial(jax.jit, static_argnames=("sample",), donate_argnames=("slots",))
-def decide_autoregressive(slots: AutoregressiveSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
+@functools.partial(jax.jit, static_argnames=("passes", "sample"), donate_argnames=("slots",))
+def decide_autoregressive(passes: ModelPasses, params: Any, slots: AutoregressiveSlots, hidden: jax.Array,
+                          active: jax.Array, ids: TokenIds, *,
                           sample: bool) -> tuple[AutoregressiveSlots, AutoregressiveReport]:
     """The next token of each `active` slot (bool [S]) from its logit row 0 (the last causal row
     of its pass: the prompt's last, or its latest token's)."""
     controls = slots.controls
-    token = next_tokens(logits=logits[:, 0], counts=slots.counts, index=slots.generated,
+    token = next_tokens(logits=passes.head_logits(params, hidden[:, 0]), counts=slots.counts, index=slots.generated,
                         prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls, ids=ids,
                         choose_rows=per_slot_choice(controls, slots.sample, sample))
     generated = slots.generated + active
@@ -163,12 +168,13 @@ def decide_autoregressive(slots: AutoregressiveSlots, logits: jax.Array, active:
     return slots._replace(counts=counts, generated=generated), AutoregressiveReport(token, finished)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("slots",))
-def decide_drafts(slots: SpeculativeSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
-                  block_size: int) -> tuple[SpeculativeSlots, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("passes", "block_size"), donate_argnames=("slots",))
+def decide_drafts(passes: ModelPasses, params: Any, slots: SpeculativeSlots, hidden: jax.Array, active: jax.Array,
+                  ids: TokenIds, *, block_size: int) -> tuple[SpeculativeSlots, jax.Array]:
     """A self-speculative round's drafts (int32 [S, B]) for the `active` slots, from their logit
     rows: row 0 the pending token's (kept for the round's acceptance), rows 1..B the drafted block's."""
-    drafts = draft_tokens(logits[:, 1:block_size + 1], slots.counts, slots.lengths, slots.prompt_thinking,
+    logits = passes.head_logits(params, hidden[:, :block_size + 1])
+    drafts = draft_tokens(logits[:, 1:], slots.counts, slots.lengths, slots.prompt_thinking,
                           slots.controls, ids)
     held = slots.drafts
     new = slots._replace(drafts=held.at[:, :block_size].set(drafts), pending_logits=logits[:, 0])
@@ -182,12 +188,13 @@ class VerifiedReport(NamedTuple):
     finished: jax.Array         # bool [S]
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",), donate_argnames=("slots",))
-def decide_verified(slots: SpeculativeSlots, logits: jax.Array, active: jax.Array, ids: TokenIds, *,
-                    block_size: int) -> tuple[SpeculativeSlots, VerifiedReport]:
+@functools.partial(jax.jit, static_argnames=("passes", "block_size"), donate_argnames=("slots",))
+def decide_verified(passes: ModelPasses, params: Any, slots: SpeculativeSlots, hidden: jax.Array,
+                    active: jax.Array, ids: TokenIds, *, block_size: int) -> tuple[SpeculativeSlots, VerifiedReport]:
     """The round's acceptance for the `active` slots, from the verification rows' logits (rows
     0..B-1) after the pending token's (kept by `decide_drafts`)."""
-    rows = jnp.concatenate([slots.pending_logits[:, None], logits[:, :block_size]], axis=1)
+    logits = passes.head_logits(params, hidden[:, :block_size])
+    rows = jnp.concatenate([slots.pending_logits[:, None], logits], axis=1)
     out = accept_drafts(rows, slots.drafts[:, :block_size], slots.counts, slots.lengths, slots.prompt_thinking,
                         slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active)
     slots = _where_slots(active, slots._replace(counts=out.counts, lengths=out.lengths), slots)

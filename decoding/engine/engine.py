@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -74,10 +76,14 @@ from decoding.engine.work import (
 from decoding.generation_config import TOKEN_ID_FIELDS
 from decoding.layouts import token_ids_of
 from decoding.modes import Mode, strategy
-from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID
+from decoding.serving_defaults import DEFAULT_GRID
 from decoding.validation import model_defaults
 
 logger = logging.getLogger(__name__)
+
+
+# Prompt tokens a pass takes beside running requests at least, when prefill is balanced against them.
+BALANCED_PREFILL_FLOOR = 64
 
 
 class QueueFull(Exception):
@@ -142,15 +148,21 @@ class Engine:
     `max_position_embeddings`); prefill_budget: prompt tokens prefilled per pass (default: the
     model's prefill chunk); prefix_cache_bytes: the prefix cache's budget (0: no cache;
     `decoding.engine.prefix_cache`); prefix_cache_grid: its grid, in tokens; block_sizes: the
-    block sizes requests may decode with (default: the checkpoint's, 16, 32 and 64);
+    block sizes requests may decode with (default: the checkpoint's; every slot's block is held
+    as wide as the widest, so a pass's block work follows it: `clover-jax serve` adds 16, 32 and 64);
     kv_cache_bytes: the K/V page pool's size (default `shapes.EngineShapes.pool_pages`'s rule);
-    page_size: positions per page (default 16, or what divides the prefix cache's grid).
+    page_size: positions per page (default 16, or what divides the prefix cache's grid);
+    balance_prefill: while requests decode, a pass takes at most as many prompt tokens as their
+    rows (at least `BALANCED_PREFILL_FLOOR`), rather than the whole `prefill_budget`. Default: on a
+    CPU, where a pass's time follows its rows; not on a TPU or GPU, where a pass of a few hundred
+    rows is bound by reading the weights and prompt rows ride nearly free.
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
                  max_context: int | None = None, prefill_budget: int | None = None, prefix_cache_bytes: int = 0,
                  prefix_cache_grid: int = DEFAULT_GRID, *, block_sizes: Sequence[int] | None = None,
-                 kv_cache_bytes: int | None = None, page_size: int | None = None):
+                 kv_cache_bytes: int | None = None, page_size: int | None = None,
+                 balance_prefill: bool | None = None):
         for name, value, low in (("max_running", max_running, 1), ("max_queue", max_queue, 0),
                                  ("prefix_cache_bytes", prefix_cache_bytes, 0),
                                  ("prefix_cache_grid", prefix_cache_grid, 1)):
@@ -170,7 +182,8 @@ class Engine:
         # every request's defaults, with the special token ids the checkpoint gives them
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
-        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size, *DEFAULT_BLOCK_SIZES})
+        # every block size is a row of the slots' block windows: a size not served costs the widest's rows
+        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size})
         if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
             raise ValueError(f"block_sizes must be positive integers, got {list(sizes)}")
         grid = prefix_cache_grid if prefix_cache_bytes else None
@@ -180,6 +193,7 @@ class Engine:
                                         prefix_cache_bytes=prefix_cache_bytes)
         self.block_sizes = self.shapes.block_sizes
         self.prefill_budget = self.shapes.prefill_budget
+        self.balance_prefill = jax.default_backend() == "cpu" if balance_prefill is None else bool(balance_prefill)
         self.pool = PagePool(self.shapes.num_pages)
         self.page_bytes = page_bytes(model.config, self.shapes.page_size, model.dtype)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_grid, pool=self.pool,
@@ -202,10 +216,13 @@ class Engine:
         self._queue: collections.deque = collections.deque()     # admitted to wait, in order
         self._held: dict[int, Tracked] = {}                        # holding a slot, in admission order
         self._free_slots = list(range(max_running - 1, -1, -1))
+        self._first_slot = 0                                       # where decoding requests' turns start
         self._waiting = 0                                          # inbox + queue
         self._numbers = itertools.count()
         self._closed = False
         self.steps = 0                                             # passes run
+        # the latest passes: (monotonic start, seconds, tokens, prompt tokens among them) each
+        self.passes: collections.deque = collections.deque(maxlen=4096)
         self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
         self.compiled_on_demand = 0                                 # programs compiled after it (logged)
         self.finished: collections.Counter = collections.Counter()  # requests ended, by finish reason
@@ -216,11 +233,22 @@ class Engine:
         """The device state of an empty engine: no page held, every slot empty."""
         shapes, context = self.shapes, self.context
         self.page_table = np.full((shapes.slots, shapes.pages_per_slot), TRASH_PAGE, np.int32)
-        self.state = jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
-            shapes.slots, shapes.num_pages, shapes.page_size)
-        self.slots = jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block,
-                                                      vocab=context.vocab, ids=context.ids,
-                                                      template=self.template(Mode.DIFFUSION)))
+        # committed to their devices, as every program's outputs are: an uncommitted argument is another
+        # program (the first pass after `precompile` compiled its forward again)
+        commit = lambda tree: jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), tree)
+        self.state = commit(jax.jit(context.passes.new_paged_state, static_argnums=(0, 1, 2))(
+            shapes.slots, shapes.num_pages, shapes.page_size))
+        self.slots = self._empty_slot_states()
+
+    def _empty_slot_states(self) -> SlotStates:
+        """Every mode's slot structure with no request, on the devices (committed, as the programs'
+        outputs are: an uncommitted argument would be another program)."""
+        shapes, context = self.shapes, self.context
+        mesh_sharding = getattr(self.model, "mesh_sharding", None)
+        slots = jax.device_put(empty_slot_states(slots=shapes.slots, max_block=shapes.max_block, vocab=context.vocab,
+                                                 ids=context.ids, template=self.template(Mode.DIFFUSION)),
+                               None if mesh_sharding is None else mesh_sharding.replicated())
+        return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), slots)
 
     def template(self, mode: Mode) -> PreparedRequest:
         """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
@@ -351,10 +379,11 @@ class Engine:
                 self._queue.extend(arrived)
                 try:
                     self._cancel(cancels)
-                    self._admit()
-                    works = self._plan()
-                    if works:
-                        with precompiling.on_demand(self, works):
+                    works: list = []  # this iteration's pass, filled once planned (the on-demand log reads it)
+                    with precompiling.on_demand(self, functools.partial(precompiling.pass_shape, self, works)):
+                        self._admit()
+                        works.extend(self._plan())
+                        if works:
                             self._run(works)
                 except Exception:  # a bug in the loop itself: fail what it holds and keep serving
                     logger.exception("the engine's loop failed; failing the requests it held")
@@ -421,17 +450,27 @@ class Engine:
         self.slots = self.slots._replace(**{field: put_slot(getattr(self.slots, field), slot, entry)})
 
     def _plan(self) -> list:
-        """Every decoding request's work, then prefill chunks within the budgets."""
+        """Every decoding request's work, then prefill chunks within the budgets. Decoding requests
+        take turns at the front (by slot, from where the last pass left off), so that when their
+        work exceeds a pass the ones left out run first in the next."""
         mask, budget = int(self.context.ids.mask), self.shapes.max_tokens
         works = []
         held = list(self._held.values())
-        for tracked in held:
-            if tracked.decoding and not tracked.done:
-                work = plan(tracked, budget=budget, prefill_budget=0, mask=mask)
-                if work is not None:
-                    works.append(work)
-                    budget -= len(work.causal) + len(work.block)
+        decoding = sorted((t for t in held if t.decoding and not t.done),
+                          key=lambda t: (t.slot - self._first_slot) % self.shapes.slots)
+        for tracked in decoding:
+            work = plan(tracked, budget=budget, prefill_budget=0, mask=mask)
+            if work is None:
+                self._first_slot = tracked.slot  # left out: first in the next pass
+                break
+            works.append(work)
+            budget -= len(work.causal) + len(work.block)
+        decoding_rows = self.shapes.max_tokens - budget
         prefill = self.prefill_budget
+        if decoding_rows and self.balance_prefill:
+            # beside running requests, a prompt takes about as many rows as they do: their step costs
+            # at most about twice a step without it where a pass's cost follows its rows (a CPU)
+            prefill = min(prefill, max(BALANCED_PREFILL_FLOOR, decoding_rows))
         for tracked in held:
             if tracked.decoding or tracked.done or prefill <= 0 or budget <= 0:
                 continue
@@ -460,6 +499,7 @@ class Engine:
 
     def _run(self, works: list) -> None:
         shapes, context = self.shapes, self.context
+        started = time.monotonic()
         ran = [self._by_slot(work.slot) for work in works]
         try:
             for tracked, work in zip(ran, works, strict=True):
@@ -467,9 +507,9 @@ class Engine:
             rows = sum(len(work.causal) + len(work.block) for work in works)
             ids, batch = layout(works, num_tokens=shapes.padding_for(rows), page_table=self.page_table,
                                 max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
-            logits, self.state = decisions.forward(context.passes, context.params, self.state, ids, batch,
+            hidden, self.state = decisions.forward(context.passes, context.params, self.state, ids, batch,
                                                    context.coreset_top_p, coreset=context.coreset)
-            reports = self._decide(logits, ran)
+            reports = self._decide(hidden, ran)
         except Exception as error:
             for tracked in ran:
                 unplan(tracked)
@@ -478,47 +518,71 @@ class Engine:
             return
         self.steps += 1
         self._apply(ran, reports)
+        rows = sum(len(work.causal) + len(work.block) for work in works)
+        self.passes.append((started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran)))
 
-    def _decide(self, logits, ran: list[Tracked]) -> dict:
-        """Every decision the pass's requests need, run on the device; their reports on the host."""
+    def _decide(self, hidden, ran: list[Tracked]) -> dict:
+        """Every decision the pass's requests need, run on the device; their reports on the host. A
+        decision that fails fails the requests of its mode alone (that mode's slot structure is made
+        again); the other modes decide on."""
         context, slots = self.context, self.shapes.slots
         mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
         deciding = [t for t in ran if t.ran_decode]
-        reports = {}
+        jobs = []  # (report key, slot structure, program, its arguments after the structure, static arguments)
         for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
             chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
-            committed = mask_of([t for t in chosen if t.commits])
-            self.slots, reports[f"diffusion/{size}"] = self._call(
-                decisions.decide_diffusion, self.slots.diffusion, logits, mask_of(chosen), committed, context.ids,
-                block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
-                scores=any(t.prepared.logprobs is not None for t in chosen))
+            jobs.append((f"diffusion/{size}", "diffusion", decisions.decide_diffusion,
+                         (hidden, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
+                         dict(block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
+                              scores=any(t.prepared.logprobs is not None for t in chosen))))
         chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
         if chosen:
-            self.slots, reports["autoregressive"] = self._call(
-                decisions.decide_autoregressive, self.slots.autoregressive, logits, mask_of(chosen), context.ids,
-                sample=any(t.prepared.config.do_sample for t in chosen))
+            jobs.append(("autoregressive", "autoregressive", decisions.decide_autoregressive,
+                         (hidden, mask_of(chosen), context.ids),
+                         dict(sample=any(t.prepared.config.do_sample for t in chosen))))
         for verifying in (False, True):
             for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
                 chosen = [t for t in deciding if t.mode == Mode.SELF_SPECULATIVE and t.block_size == size
                           and t.verifying == verifying]
                 if chosen:
-                    program = decisions.decide_verified if verifying else decisions.decide_drafts
-                    self.slots, reports[f"{'verified' if verifying else 'drafts'}/{size}"] = self._call(
-                        program, self.slots.speculative, logits, mask_of(chosen), context.ids, block_size=size)
-        return jax.device_get(reports)
+                    jobs.append((f"{'verified' if verifying else 'drafts'}/{size}", "speculative",
+                                 decisions.decide_verified if verifying else decisions.decide_drafts,
+                                 (hidden, mask_of(chosen), context.ids), dict(block_size=size)))
+        reports, failed = {}, {}
+        for key, field, program, args, static in jobs:
+            if field in failed:
+                continue
+            try:
+                structure, report = program(context.passes, context.params, getattr(self.slots, field), *args,
+                                            **static)
+                self.slots = self.slots._replace(**{field: structure})
+                reports[key] = jax.device_get(report)
+            except Exception as error:
+                logger.exception("the %s decision failed; failing the requests of its mode", key)
+                failed[field] = f"decoding step failed: {type(error).__name__}: {error}"
+        if failed:
+            self._fail_modes(failed)
+        return reports
 
-    def _call(self, program, structure, *args, **static) -> tuple[SlotStates, Any]:
-        """Run a decision on one mode's structure; returns the slot states with it replaced, and the report."""
-        updated, report = program(structure, *args, **static)
-        field = {decisions.decide_diffusion: "diffusion", decisions.decide_autoregressive: "autoregressive"}.get(
-            program, "speculative")
-        return self.slots._replace(**{field: updated}), report
+    def _fail_modes(self, failed: dict[str, str]) -> None:
+        """Fail every request whose mode's slot structure a failed decision may have consumed, and
+        make those structures again."""
+        field_of = {Mode.DIFFUSION: "diffusion", Mode.AUTOREGRESSIVE: "autoregressive",
+                    Mode.SELF_SPECULATIVE: "speculative"}
+        for tracked in list(self._held.values()):
+            if field_of[tracked.mode] in failed:
+                unplan(tracked)
+                self._fail(tracked, failed[field_of[tracked.mode]])
+        empty = self._empty_slot_states()
+        self.slots = self.slots._replace(**{field: getattr(empty, field) for field in failed})
 
     def _apply(self, ran: list[Tracked], reports: dict) -> None:
         """The pass's effects on each request it ran, then their events."""
         eos = self.context.eos
         outcomes = []
         for tracked in ran:
+            if tracked.done:  # failed with its mode's decision
+                continue
             if tracked.ran_prefill:
                 tracked.filled += tracked.ran_prefill
                 if self.prefix_cache is not None and tracked.store_at and tracked.filled == tracked.store_at:

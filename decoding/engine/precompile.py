@@ -11,9 +11,11 @@ requests can meet are a short list, the same for a context of 4K or 128K:
 * writing a request into a slot (one per mode's structure), and the prefix cache's copies of a
   slot's GDN states (reading them; writing them, zeros or kept ones).
 
-`precompile` compiles exactly `planned_programs` by running each program once on inputs that
-change nothing (a pass of padding rows only, decisions for no slot); afterwards `on_demand` logs
-every program compiled for a request with its shape (expected: none).
+`served_set` lists them; `planned_programs` counts them; `precompile` compiles exactly them by
+running each program once on inputs that change nothing (a pass of padding rows only, decisions for
+no slot); afterwards `on_demand` logs every program compiled for a request with its shape
+(expected: none). The same list is what a target's compiler compiles from any host
+(`decoding.engine.abstract_programs`).
 
 On a CPU, XLA keeps every compiled program's machine code in memory mappings of the process, and
 Linux stops a process at `vm.max_map_count` mappings (65,530 by default): precompiling stops with a
@@ -51,11 +53,11 @@ def compiled_programs() -> int:
 
 @dataclasses.dataclass
 class Precompiled:
-    """What `precompile` did: programs compiled (by kind), seconds, and what the set is."""
+    """What `precompile` did: programs compiled (by function), seconds, and what the set covers."""
 
     programs: int
     seconds: float
-    what: str
+    covers: str
     by_kind: dict = dataclasses.field(default_factory=dict)
 
 
@@ -86,96 +88,136 @@ def check_mapping_headroom() -> None:
     raise RuntimeError(
         f"precompiling stopped: the programs compiled so far hold {use[0]:,} memory mappings of this process's "
         f"limit of {use[1]:,} (vm.max_map_count), and XLA on a CPU crashes past it; precompile a narrower set "
-        f"(fewer --block-sizes, a smaller --max-running), or raise vm.max_map_count")
+        f"(fewer modes or --block-sizes), or raise vm.max_map_count")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the served set: the engine's jitted function (`PROGRAMS`) it is a program of,
+    its kind as `planned_programs` counts it, and what picks it among that function's programs (a
+    pass's padded token count, a decision's block size and variants, a mode's slot structure)."""
+
+    function: str
+    kind: str
+    tokens: int | None = None
+    mode: Mode | None = None
+    block_size: int | None = None
+    sample: bool = False
+    scores: bool = False
+    kept: bool | None = None  # put_slot_gdn: restoring kept states (else zeros)
+
+    @property
+    def name(self) -> str:
+        parts = [self.function] + [f"{key}={value}" for key, value in (
+            ("tokens", self.tokens), ("mode", self.mode and self.mode.value), ("B", self.block_size),
+            ("kept", self.kept)) if value is not None]
+        return "/".join(parts + ["sampled"] * self.sample + ["scores"] * self.scores)
+
+
+def served_set(*, modes: Sequence[str], block_sizes: Sequence[int], paddings: Sequence[int], sample: bool = True,
+               prefix_cache: bool = True) -> list[Program]:
+    """Every program requests of `modes` at `block_sizes` can meet on an engine whose passes are
+    padded to `paddings`, in the order `precompile` compiles them (forward passes first: the
+    decisions read a pass's logits)."""
+    variants = (False, True) if sample else (False,)
+    programs = [Program("forward", "forward", tokens=padding) for padding in paddings]
+    sizes = sorted(set(block_sizes))
+    for mode in dict.fromkeys(as_mode(mode) for mode in modes):
+        if mode == Mode.DIFFUSION:
+            programs += [Program("decide_diffusion", "decisions", mode=mode, block_size=size, sample=sampled,
+                                 scores=scores)
+                         for size in sizes for sampled in variants for scores in (False, True)]
+        elif mode == Mode.AUTOREGRESSIVE:
+            programs += [Program("decide_autoregressive", "decisions", mode=mode, sample=sampled)
+                         for sampled in variants]
+        else:
+            programs += [Program(function, "decisions", mode=mode, block_size=size)
+                         for size in sizes for function in ("decide_drafts", "decide_verified")]
+        programs.append(Program("put_slot", "slots", mode=mode))
+    # a slot's GDN states: zeroed at every admission; read and restored for the prefix cache
+    if prefix_cache:
+        programs += [Program("slot_gdn", "gdn_states"), Program("put_slot_gdn", "gdn_states", kept=True)]
+    programs.append(Program("put_slot_gdn", "gdn_states", kept=False))
+    return programs
 
 
 def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_running: int, chunk_size: int,
                      served_block_sizes: Sequence[int] | None = None, sample: bool = True,
                      prefix_cache: bool = True, max_context: int | None = None) -> dict[str, int]:
     """How many programs `precompile` compiles in a fresh process, by kind, without compiling them
-    (the count depends on the engine's shapes only, never on the model's size or the context):
-    forward passes (one per token padding), decisions (per block size of `block_sizes` that a mode
-    decodes with: a denoising step greedy and sampled, with and without log-probabilities; a
-    self-speculative round's drafts and acceptance; the autoregressive choice greedy and sampled),
-    slot writes (one per mode), and a slot's GDN states zeroed (and with a prefix cache read and
-    restored).
-    served_block_sizes: the engine's block sizes (its widest fixes the passes; default
-    `block_sizes`); chunk_size: the prefill budget per pass (the model's prefill chunk by default).
-    max_context does not change the count (accepted for the callers that state it)."""
+    (`served_set`; the count depends on the engine's shapes only, never on the model's size, the
+    context or the slots): forward passes (one per token padding, up to the prefill budget),
+    decisions (per block size of `block_sizes` that a mode decodes with: a denoising step greedy and
+    sampled, with and without log-probabilities; a self-speculative round's drafts and acceptance;
+    the autoregressive choice greedy and sampled), slot writes (one per mode), and a slot's GDN
+    states zeroed (and with a prefix cache read and restored). served_block_sizes: the engine's
+    block sizes (its widest fixes the passes; default `block_sizes`); chunk_size: the prefill
+    budget per pass (the model's prefill chunk by default). max_running and max_context do not
+    change the count (accepted for the callers that state them)."""
     served = served_block_sizes or block_sizes
-    paddings = token_paddings(max_pass_tokens(slots=max_running, max_block=max(served), prefill_budget=chunk_size))
-    variants = 2 if sample else 1
-    # a slot's GDN states: zeroed at every admission; read and restored for the prefix cache
-    counts = {"forward": len(paddings), "decisions": 0, "slots": 0, "gdn_states": 3 if prefix_cache else 1}
-    for mode in dict.fromkeys(as_mode(mode) for mode in modes):
-        sizes = len(set(block_sizes))
-        if mode == Mode.DIFFUSION:
-            counts["decisions"] += sizes * variants * 2
-        elif mode == Mode.SELF_SPECULATIVE:
-            counts["decisions"] += sizes * 2
-        else:
-            counts["decisions"] += variants
-        counts["slots"] += 1
+    paddings = token_paddings(max_pass_tokens(max_block=max(served), prefill_budget=chunk_size))
+    counts = {"forward": 0, "decisions": 0, "slots": 0, "gdn_states": 0}
+    for program in served_set(modes=modes, block_sizes=block_sizes, paddings=paddings, sample=sample,
+                              prefix_cache=prefix_cache):
+        counts[program.kind] += 1
     counts["total"] = sum(counts.values())
     return counts
 
 
 def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], sample: bool = True) -> Precompiled:
-    """Compile every program of `planned_programs` for `engine` (idle) by running each once on inputs
-    that change nothing; logs their count and time."""
+    """Compile every program of `served_set` for `engine` (idle) by running each once on inputs that
+    change nothing (a pass of padding rows only, decisions for no slot, an admission's write into
+    slot 0); logs their count and time."""
     started = time.perf_counter()
     before = _programs_by_function()
     modes = list(dict.fromkeys(as_mode(mode) for mode in modes))
     shapes, context = engine.shapes, engine.context
-    for padding in shapes.paddings:  # a pass of padding rows: it writes the trash page only
-        check_mapping_headroom()
-        ids, batch = layout([], num_tokens=padding, page_table=engine.page_table, max_block=shapes.max_block,
-                            logit_width=shapes.logit_width, chunk=shapes.chunk)
-        logits, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
-                                                 context.coreset_top_p, coreset=context.coreset)
     none = np.zeros(shapes.slots, bool)
-    variants = (False, True) if sample else (False,)
-    slots = engine.slots
-    for mode in modes:
+    hidden = None
+    model = (context.passes, context.params)
+    for program in served_set(modes=modes, block_sizes=block_sizes, paddings=shapes.paddings, sample=sample,
+                              prefix_cache=engine.prefix_cache is not None):
         check_mapping_headroom()
-        if mode == Mode.DIFFUSION:
-            for size in sorted(set(block_sizes)):
-                for sampled in variants:
-                    for scores in (False, True):
-                        structure, _ = decisions.decide_diffusion(slots.diffusion, logits, none, none, context.ids,
-                                                                  block_size=size, sample=sampled, scores=scores)
-                        slots = slots._replace(diffusion=structure)
-        elif mode == Mode.AUTOREGRESSIVE:
-            for sampled in variants:
-                structure, _ = decisions.decide_autoregressive(slots.autoregressive, logits, none, context.ids,
-                                                               sample=sampled)
-                slots = slots._replace(autoregressive=structure)
+        slots = engine.slots
+        if program.function == "forward":
+            ids, batch = layout([], num_tokens=program.tokens, page_table=engine.page_table,
+                                max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
+            hidden, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
+                                                     context.coreset_top_p, coreset=context.coreset)
+        elif program.function == "decide_diffusion":
+            structure, _ = decisions.decide_diffusion(*model, slots.diffusion, hidden, none, none, context.ids,
+                                                      block_size=program.block_size, sample=program.sample,
+                                                      scores=program.scores)
+            engine.slots = slots._replace(diffusion=structure)
+        elif program.function == "decide_autoregressive":
+            structure, _ = decisions.decide_autoregressive(*model, slots.autoregressive, hidden, none, context.ids,
+                                                           sample=program.sample)
+            engine.slots = slots._replace(autoregressive=structure)
+        elif program.function in ("decide_drafts", "decide_verified"):
+            structure, _ = getattr(decisions, program.function)(*model, slots.speculative, hidden, none, context.ids,
+                                                                block_size=program.block_size)
+            engine.slots = slots._replace(speculative=structure)
+        elif program.function == "put_slot":
+            # the write of an admission, as it comes (NumPy leaves), into slot 0 (free: the engine is idle)
+            field, entry = engine.entry_for(engine.template(program.mode))
+            engine.slots = slots._replace(**{field: slot_states.put_slot(getattr(slots, field), jnp.int32(0), entry)})
+        elif program.function == "slot_gdn":
+            kept = prefix_cache.slot_gdn(engine.state, jnp.int32(0))
         else:
-            for size in sorted(set(block_sizes)):
-                for program in (decisions.decide_drafts, decisions.decide_verified):
-                    structure, _ = program(slots.speculative, logits, none, context.ids, block_size=size)
-                    slots = slots._replace(speculative=structure)
-        # the write of an admission, as it comes (NumPy leaves), into slot 0 (free: the engine is idle)
-        field, entry = engine.entry_for(engine.template(mode))
-        slots = slots._replace(**{field: slot_states.put_slot(getattr(slots, field), jnp.int32(0), entry)})
-    engine.slots = slots
-    if engine.prefix_cache is not None:
-        kept = prefix_cache.slot_gdn(engine.state, jnp.int32(0))
-        engine.state = prefix_cache.put_slot_gdn(engine.state, jnp.int32(0), kept)
-    engine.state = prefix_cache.put_slot_gdn(engine.state, jnp.int32(0), None)
+            engine.state = prefix_cache.put_slot_gdn(engine.state, jnp.int32(0), kept if program.kept else None)
     jax.block_until_ready(engine.state)
     grown = {name: count - before[name] for name, count in _programs_by_function().items() if count > before[name]}
     programs = sum(grown.values())
     seconds = time.perf_counter() - started
-    what = (f"{len(shapes.paddings)} forward passes ({shapes.paddings[0]}..{shapes.paddings[-1]} tokens) and the "
-            f"decisions of {', '.join(mode.value for mode in modes)} at block sizes {sorted(set(block_sizes))}")
-    logger.info("precompiled %d programs in %.1f s: %s", programs, seconds, what)
-    return Precompiled(programs, seconds, what, grown)
+    covers = (f"{len(shapes.paddings)} forward passes ({shapes.paddings[0]}..{shapes.paddings[-1]} tokens) and the "
+              f"decisions of {', '.join(mode.value for mode in modes)} at block sizes {sorted(set(block_sizes))}")
+    logger.info("precompiled %d programs in %.1f s: %s", programs, seconds, covers)
+    return Precompiled(programs, seconds, covers, grown)
 
 
 @contextlib.contextmanager
-def on_demand(engine, works=()):
-    """Around an engine pass after `precompile`: log the programs it compiled (with the pass's
+def on_demand(engine, what):
+    """Around engine work after `precompile`: log the programs it compiled (with `what()`, the work's
     shape) and count them in `engine.compiled_on_demand`."""
     if engine.precompiled is None:
         yield
@@ -187,11 +229,15 @@ def on_demand(engine, works=()):
     if new:
         engine.compiled_on_demand += new
         kinds = sorted({(strategy(t.mode).mode.value, t.block_size) for t in engine._held.values()})
-        rows = sum(len(work.causal) + len(work.block) for work in works)
-        logger.warning("compiled %d program(s) on demand in %.1f s (%s), outside the precompiled set: a pass of %d "
-                       "tokens (padded to %d) for requests of %s", new, time.perf_counter() - started,
-                       ", ".join(f"{name} x{count}" for name, count in grown.items()), rows,
-                       engine.shapes.padding_for(rows) if rows else 0, kinds)
+        logger.warning("compiled %d program(s) on demand in %.1f s (%s), outside the precompiled set: %s, for requests "
+                       "of %s", new, time.perf_counter() - started,
+                       ", ".join(f"{name} x{count}" for name, count in grown.items()), what(), kinds)
+
+
+def pass_shape(engine, works) -> str:
+    """A pass's shape as the on-demand log gives it."""
+    rows = sum(len(work.causal) + len(work.block) for work in works)
+    return f"a pass of {rows} tokens (padded to {engine.shapes.padding_for(rows)})" if rows else "admitting requests"
 
 
 def _programs_by_function() -> dict[str, int]:

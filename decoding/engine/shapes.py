@@ -7,7 +7,7 @@
 | pages_per_slot | the page table's width: `max_context` positions                     |                              |
 | num_pages      | the K/V pool                                                        | `pool_pages`                 |
 | max_block      | the widest block a request may decode with                          | the largest of `block_sizes` |
-| max_tokens     | the most tokens of one pass: every slot's widest work, or a prefill |                              |
+| max_tokens     | the most tokens of one pass: a prefill chunk (or one slot's work)   | the prefill budget           |
 | paddings       | the token counts a pass is padded to: one forward program each      | `token_paddings`             |
 
 A pass's token count is padded to the smallest padding that holds it: powers of two from 16 and
@@ -45,11 +45,13 @@ def token_paddings(max_tokens: int, smallest: int = SMALLEST_PADDING) -> tuple[i
         size *= 2
 
 
-def max_pass_tokens(*, slots: int, max_block: int, prefill_budget: int) -> int:
-    """The most tokens one pass holds: every slot's widest decoding work (a commit and a block of
-    the widest size, or a self-speculative round's pending tokens and draft: 2·Bmax + 1), or a
-    prefill chunk of the budget."""
-    return max(slots * (2 * max_block + 1), prefill_budget)
+def max_pass_tokens(*, max_block: int, prefill_budget: int) -> int:
+    """The most tokens one pass holds: a prefill chunk of the budget, and at least one slot's widest
+    decoding work (a commit and a block of the widest size, or a self-speculative round's pending
+    tokens and draft: 2·Bmax + 1). When the running requests' work exceeds it (many slots, wide
+    blocks), the slots left out run first in the next pass; the largest padding, and with it the
+    programs, depends on the prefill budget alone."""
+    return max(2 * max_block + 1, prefill_budget)
 
 
 def free_device_bytes() -> int | None:
@@ -136,7 +138,7 @@ class EngineShapes:
                                  f"positions ({one_page} bytes each); one request at max_context={max_context} "
                                  f"needs {pages_per_slot} ({pages_per_slot * one_page} bytes)")
         max_block = max(block_sizes)
-        max_tokens = max_pass_tokens(slots=max_running, max_block=max_block, prefill_budget=prefill_budget)
+        max_tokens = max_pass_tokens(max_block=max_block, prefill_budget=prefill_budget)
         return cls(slots=max_running, max_context=max_context, block_sizes=tuple(block_sizes), page_size=page_size,
                    pages_per_slot=pages_per_slot, num_pages=num_pages, prefill_budget=prefill_budget,
                    max_tokens=max_tokens, paddings=token_paddings(max_tokens))

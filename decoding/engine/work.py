@@ -138,12 +138,11 @@ def plan(tracked: Tracked, *, budget: int, prefill_budget: int, mask: int) -> Sl
             tracked.ran_decode = True
             return SlotWork(tracked.slot, tracked.filled, tuple(causal), logit_rows=(len(causal) - 1,))
     more, block, writes, logits = decode_work(tracked, mask)
-    keeps_prefill = tracked.starts and tracked.store_at == tracked.filled + len(causal) and more
+    keeps_prefill = bool(causal and more) and tracked.store_at == tracked.filled + len(causal)
     if len(causal) + len(more) + len(block) > budget or keeps_prefill:
-        if not causal:
-            return None
-        tracked.decoding = tracked.starts = False
-        return SlotWork(tracked.slot, tracked.filled, tuple(causal))
+        if tracked.starts:
+            tracked.decoding = tracked.starts = False
+        return SlotWork(tracked.slot, tracked.filled, tuple(causal)) if causal else None
     tracked.ran_decode = True
     offset = len(causal)
     return SlotWork(tracked.slot, tracked.filled, tuple(causal + more), tuple(block), writes,

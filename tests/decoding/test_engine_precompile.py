@@ -1,12 +1,13 @@
-"""`Engine.precompile`: after it, requests of the precompiled set (mode, block size, lane sizes up
-to max_running, cache buckets up to max_context) compile nothing — requests of different cache
-buckets joining one lane included, which then decode as alone; a request outside it (another block
-size, another mode) compiles on demand, and the engine logs that with its shape."""
+"""`Engine.precompile` and the served set: after it, traffic of every precompiled mode and block
+size — prompts of many lengths, prefill chunks, requests joining and leaving at any point,
+sampled ones, log-probabilities, prefix-cache hits — compiles nothing; a request outside it (a
+block size or mode not precompiled) compiles on demand, logged with its shape. The set's size
+depends on the engine's shapes alone: the same for one mode or three, one block size or three,
+a context of 4K or 128K, and within the documented bounds for the Clover-35B commands."""
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 
@@ -18,56 +19,69 @@ model = test_engine.model  # the engine tests' model (a fixture)
 
 
 def test_after_precompile_the_set_compiles_nothing_and_the_rest_is_logged(model, controls_config, caplog):
-    with Engine(model, controls_config, max_running=2, max_context=128) as engine:
-        done = engine.precompile(["diffusion"], [8], sample=False)
-        planned = precompile.planned_programs(modes=["diffusion"], block_sizes=[8], max_running=2, max_context=128,
-                                              chunk_size=model.chunk_size, sample=False)
+    with Engine(model, controls_config, max_running=3, max_context=128, prefill_budget=48, block_sizes=[8, 16],
+                prefix_cache_bytes=1 << 24, prefix_cache_grid=8) as engine:
+        modes = ["diffusion", "self_speculative"]
+        done = engine.precompile(modes, [8])
+        planned = precompile.planned_programs(modes=modes, block_sizes=[8], served_block_sizes=[8, 16],
+                                              max_running=3, chunk_size=48)
         # in a fresh process exactly the plan; fewer where earlier tests compiled some of them
-        assert done.programs <= planned["total"] == 28 and planned["paddings"] == 1 and done.seconds > 0
+        assert done.programs <= planned["total"] and done.seconds > 0
+        assert planned == {"forward": 4, "decisions": 4 + 2, "slots": 2, "gdn_states": 3, "total": 15}, planned
         before = precompile.compiled_programs()
-        # one at a time, then together: prompts of several lengths, other controls and schedules
         traffic = [EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[2], overrides={"schedule": "fixed_k"}),
-                   EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 12, "threshold": 0.3})]
-        for request in traffic:
+                   EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 12, "threshold": 0.3}),
+                   EngineRequest(PROMPTS[1], overrides={"do_sample": True, "temperature": 0.9}, seed=3),
+                   EngineRequest(PROMPTS[5], "self_speculative"),
+                   EngineRequest(list(range(20, 70)), overrides={"max_new_tokens": 8}),  # prefilled in 2 chunks
+                   EngineRequest(PROMPTS[0], logprobs=2)]
+        for request in traffic[:3]:  # one at a time
             assert engine.run([request], timeout=600)[0].error is None
-        assert all(result.error is None for result in engine.run(traffic[:2], timeout=600))
-        # a request of the 128-row bucket and one of the 64-row bucket joining one lane together, then
-        # one of 64 rows joining a busy lane of 128: the padding and join programs of the set
-        long = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 48, "dllm_length_penalty": 0.0}, seed=2)
-        mixed = engine.run([long, traffic[0]], timeout=600)
-        started = threading.Event()
-        handle = engine.submit(long, lambda event: started.set())
-        started.wait(600)
-        [joined] = engine.run([traffic[1]], timeout=600)
-        handle.cancel()
+        results = engine.run(traffic, timeout=600)  # together: joining and leaving as they go; prefix hits
+        assert all(result.error is None for result in results)
         assert (precompile.compiled_programs(), engine.compiled_on_demand) == (before, 0)
-        assert joined.error is None
-        for request, result in [(long, mixed[0]), (traffic[0], mixed[1])]:
+        for request, result in zip(traffic[:6], results, strict=False):
             tokens, nfe, steps = test_engine.alone(model, controls_config, request)
-            assert (result.error, result.tokens, result.stats.nfe, result.stats.steps_per_block) == (
-                None, tokens, nfe, steps)
+            assert (result.tokens, result.stats.nfe, len(result.stats.steps_per_block)) == (tokens, nfe, len(steps))
         with caplog.at_level(logging.WARNING, logger="decoding.engine.precompile"):
-            results = engine.run([EngineRequest(PROMPTS[0], overrides={"block_size": 4}),
+            results = engine.run([EngineRequest(PROMPTS[0], overrides={"block_size": 16}),
                                   EngineRequest(PROMPTS[2], "autoregressive")], timeout=600)
         assert all(result.error is None for result in results)
         assert engine.compiled_on_demand > 0 and precompile.compiled_programs() == before + engine.compiled_on_demand
         logged = " ".join(record.getMessage() for record in caplog.records)
-        assert "outside the precompiled set: step of" in logged and "block_size=4" in logged
-        assert "AUTOREGRESSIVE" in logged and "slots x 64 rows" in logged
+        assert "outside the precompiled set" in logged and "decide_diffusion" in logged
+        assert "('diffusion', 16)" in logged and "('autoregressive', 16)" not in logged
+
+
+def test_the_served_set_depends_on_the_engines_shapes_alone():
+    count = lambda **settings: precompile.planned_programs(chunk_size=2048, **settings)
+    every_mode = ["diffusion", "autoregressive", "self_speculative"]
+    # the documented Clover-35B commands (docs/serving.md): H200 all modes, block sizes 16/32/64, 16
+    # running, 131,072 positions; v6e-1 int4 and v5e-8 one block size, 8 running, 32,768
+    h200 = count(modes=every_mode, block_sizes=[16, 32, 64], max_running=16, max_context=131072)
+    one_size = count(modes=["diffusion"], block_sizes=[32], max_running=8, max_context=32768)
+    assert h200["forward"] <= 24 and h200["total"] <= 64, h200
+    assert one_size["forward"] <= 24 and one_size["total"] <= 64, one_size
+    # the programs holding a forward pass: the same for one mode or three, one block size or three
+    # (served beside the widest), 4K or 128K positions, 1 or 16 running
+    forwards = {count(modes=modes, block_sizes=sizes, served_block_sizes=[16, 32, 64], max_running=running,
+                      max_context=context)["forward"]
+                for modes in (["diffusion"], every_mode) for sizes in ([32], [16, 32, 64])
+                for context in (4096, 131072) for running in (1, 16)}
+    assert forwards == {h200["forward"]}
 
 
 def test_precompiling_stops_with_a_clear_error_before_the_process_runs_out_of_memory_mappings(model, monkeypatch):
     """XLA on a CPU crashes (SIGSEGV, seen: the bundled model's 184-program set reached Linux's 65,530
     mappings) once compiled programs hold more memory mappings than vm.max_map_count: precompiling a
-    set past the headroom stops with an error naming the flags to narrow, before compiling more."""
-    with Engine(model, max_running=2, max_context=64) as engine:
+    set past the headroom stops with an error naming what to narrow, before compiling more."""
+    with Engine(model, max_running=2, max_context=64, block_sizes=[8]) as engine:
         monkeypatch.setattr(precompile, "mapping_use", lambda: (60_000, 65_530))
         before = precompile.compiled_programs()
         with pytest.raises(RuntimeError, match=r"60,000 memory mappings of this process's limit of 65,530.*"
-                                               r"--max-context"):
+                                               r"--block-sizes"):
             engine.precompile(["diffusion"], [8], sample=False)
         assert precompile.compiled_programs() == before  # stopped before the first program
         monkeypatch.setattr(precompile, "mapping_use", lambda: (50_000, 65_530))  # within the headroom: no error
         precompile.check_mapping_headroom()
     assert precompile.mapping_use() is None or precompile.mapping_use()[0] > 0  # the real reading, on Linux
-

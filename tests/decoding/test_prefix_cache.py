@@ -1,8 +1,8 @@
 """The engine's prefix cache (decoding/engine/prefix_cache.py): a request that starts from a cached
 prefix decodes what it decodes without the cache — every mode, hits of several lengths (one exactly
 at a grid boundary), prompts shorter than one grid, prompts that diverge inside a chunk, after
-evictions — and reports the tokens it reused; the trie's byte accounting and LRU eviction; nothing
-is left held after requests end or are cancelled."""
+evictions — and reports the tokens it reused; the trie's byte accounting and LRU eviction over
+shared, reference-counted pages; nothing is left held after requests end or are cancelled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 from clover_jax.api.serving.responses import prompt_tokens_details
 from decoding.engine import Engine, EngineRequest
-from decoding.engine.prefix_cache import PrefixCache, binary_plan
+from decoding.engine.pages import PagePool
+from decoding.engine.prefix_cache import PrefixCache
 
 GRID = 8
 # one growing transcript (a harness resending it), and a prompt that leaves it inside its second chunk
@@ -85,6 +86,8 @@ def test_cached_prefixes_decode_as_without_the_cache(model, controls_config, wit
         assert cache.hits == sum(restored[MODES.index(mode)] > 0 for _, restored in TURNS) + 1
         assert cache.nbytes == cache.held_bytes() > 0
         assert engine.running() == 0 and engine.queued() == 0
+        # with no request running, the pages in use are the cache's, each held once
+        assert engine.kv_pages_in_use() == cache.census()["pages"]
 
 
 def test_a_tiny_budget_evicts_least_recently_used_and_decodes_as_without(model, controls_config, without_cache):
@@ -118,35 +121,56 @@ def test_cancelled_and_concurrent_requests_leave_nothing_held(model, controls_co
         assert [event.finish for event in done] in (["cancelled"], ["length"], ["eos"])
         cache = engine.prefix_cache
         assert cache.nbytes == cache.held_bytes()
+        assert engine.kv_pages_in_use() == cache.census()["pages"]
+        cache.clear()
+        assert engine.kv_pages_in_use() == 0
+
+
+def held_pages(pool: PagePool, count: int) -> list[int]:
+    """`count` pages taken from `pool`, as a request holds the pages it wrote."""
+    return [pool.take() for _ in range(count)]
 
 
 def test_the_trie_keeps_bytes_and_evicts_the_least_recently_used():
-    cache = PrefixCache(budget=1000, grid=2)
-    rows = lambda row: {"kv": np.zeros(25, np.float32)}        # 100 bytes a chunk
+    pool = PagePool(64)
+    cache = PrefixCache(budget=1000, grid=2, pool=pool, page_size=1, page_bytes=50)  # 100 bytes a chunk
     gdn = lambda: {"gdn": np.zeros(50, np.float32)}            # 200 bytes a state
-    cache.store([1, 2, 3, 4], 4, rows, gdn)                    # 2 chunks + a state: 400
-    cache.store([1, 2, 5, 6], 4, rows, gdn)                    # shares chunk [1, 2]: 700
-    assert (cache.nbytes, cache.nodes) == (700, 3)
-    assert cache.lookup([1, 2, 3, 4, 9], limit=5).length == 4  # [1, 2, 3, 4] is now the most recent
+
+    def store(tokens, length):
+        pages = held_pages(pool, length)
+        cache.store(tokens, length, pages, gdn)
+        pool.release(pages)                                    # the request that wrote them ends
+        return pages
+
+    first = store([1, 2, 3, 4], 4)                             # 2 chunks + a state: 400
+    store([1, 2, 5, 6], 4)                                     # shares chunk [1, 2]: 700 (its own copy freed)
+    assert (cache.nbytes, cache.nodes) == (700, 3) and pool.in_use == 6
+    hit = cache.lookup([1, 2, 3, 4, 9], limit=5)               # [1, 2, 3, 4] is now the most recent
+    assert hit.length == 4 and hit.pages == tuple(first)
+    assert pool.references(first[0]) == 2                      # the cache's and the caller's
+    pool.release(hit.pages)
     assert cache.lookup([1, 2, 3], limit=3) is None            # no state at 2
     assert cache.lookup([1, 2, 3, 4], limit=3) is None         # the state at 4 passes the limit
-    cache.store([7, 8], 2, rows, gdn)                          # 1000: fits
-    cache.store([9, 9], 2, rows, gdn)                          # 1300: [5, 6] (the oldest state) goes
-    assert cache.lookup([1, 2, 5, 6], limit=4) is None and cache.lookup([7, 8], limit=2).length == 2
-    assert cache.lookup([1, 2, 3, 4], limit=4).length == 4 and cache.lookup([9, 9], limit=2).length == 2
+    store([7, 8], 2)                                           # 1000: fits
+    store([9, 9], 2)                                           # 1300: [5, 6] (the oldest state) goes
+    assert cache.lookup([1, 2, 5, 6], limit=4) is None
+    for tokens in ([7, 8], [1, 2, 3, 4], [9, 9]):
+        hit = cache.lookup(tokens, limit=len(tokens))
+        assert hit.length == len(tokens)
+        pool.release(hit.pages)
     assert cache.nbytes == cache.held_bytes() == 1000 and (cache.evicted, cache.nodes) == (1, 4)
     # counted afresh: chunks [1,2] [3,4] [7,8] [9,9], states at the last three, no chunk [5, 6] left behind
-    assert cache.census() == {"bytes": 1000, "nodes": 4, "states": 3, "unneeded": 0} and cache.states == 3
-    cache.store([5] * 12, 12, rows, gdn)                       # 800 alone: everything older goes
+    assert cache.census() == {"bytes": 1000, "nodes": 4, "states": 3, "unneeded": 0, "pages": 8}
+    assert pool.in_use == 8 and cache.states == 3
+    store([5] * 12, 12)                                        # 800 alone: everything older goes
     assert cache.nbytes == cache.held_bytes() == 800 and cache.lookup([1, 2, 3, 4], limit=4) is None
-    cache.store([6] * 20, 20, rows, gdn)                       # 1200 alone: over budget, kept nowhere
+    assert pool.in_use == 12
+    store([6] * 20, 20)                                        # 1200 alone: over budget, kept nowhere
     assert cache.nbytes == cache.held_bytes() == 0 and cache.lookup([6] * 20, limit=20) is None
+    assert pool.in_use == 0                                    # every page back in the pool
     with pytest.raises(ValueError, match="multiple of the grid"):
-        cache.store([1, 2, 3], 3, rows, gdn)
+        cache.store([1, 2, 3], 3, [1, 2, 3], gdn)
     with pytest.raises(ValueError, match="budget"):
-        PrefixCache(budget=0)
-
-
-def test_binary_plan_compiles_powers_of_two():
-    assert binary_plan(0, 16) == [] and binary_plan(37, 16) == [16, 16, 4, 1]
-    assert all(sum(binary_plan(n, 64)) == n for n in range(300))
+        PrefixCache(budget=0, pool=pool, page_size=1, page_bytes=1)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        PrefixCache(budget=10, grid=6, pool=pool, page_size=4, page_bytes=1)

@@ -1,13 +1,15 @@
 """The prefix cache's trie and budget under generated traffic (`hypothesis` rule-based state machine).
 
-Any sequence of stores (some whose K/V or GDN copy fails, as a device copy can), lookups and clears,
-over prompts drawn from a small alphabet so that they share beginnings: the byte count equals the
-bytes of the arrays held, never exceeds the budget, no K/V chunk is kept that no kept GDN state
-needs, a lookup answers the longest kept prefix within its limit with the K/V of exactly those
-tokens, and the prefix stored last is found at once when it fits the budget alone.
+Any sequence of stores (some whose GDN copy fails, as a device copy can), lookups and clears, over
+prompts drawn from a small alphabet so that they share beginnings: the byte count equals the bytes
+of the pages and arrays held, never exceeds the budget, no chunk is kept that no kept GDN state
+needs, the pool's pages in use are exactly the cache's (each request that wrote or read pages has
+let them go), a lookup answers the longest kept prefix within its limit with the pages of exactly
+those tokens, and the prefix stored last is found at once when it fits the budget alone.
 
-The arrays are NumPy stand-ins that encode what they were cut from (a chunk's K/V holds its tokens,
-a state its prefix length), so a lookup's answer is checked against the tokens it claims.
+Pages are the pool's (one position each), and the test remembers which token each page holds; a
+state is a NumPy stand-in that holds its prefix length, so a lookup's answer is checked against the
+tokens it claims.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from decoding.engine.pages import PagePool
 from decoding.engine.prefix_cache import PrefixCache
 
 GRID = 2
@@ -41,18 +44,17 @@ def kept_prefixes(cache: PrefixCache) -> dict[tuple[int, ...], object]:
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(budget=st.integers(1, 400))
     def start(self, budget):
-        self.cache = PrefixCache(budget, grid=GRID)
+        self.pool = PagePool(4096)
+        self.cache = PrefixCache(budget, grid=GRID, pool=self.pool, page_size=1, page_bytes=8)
+        self.token_of: dict[int, int] = {}   # page -> the token it holds
         self.last: tuple[int, ...] | None = None
 
-    @rule(tokens=TOKENS, cut=st.integers(1, 6), fail=st.sampled_from([None, "kv", "gdn"]),
+    @rule(tokens=TOKENS, cut=st.integers(1, 6), fail=st.sampled_from([None, "gdn"]),
           state_size=st.integers(1, 24))
     def store(self, tokens, cut, fail, state_size):
         length = min(cut, len(tokens) // GRID) * GRID
-
-        def kv_rows(row):
-            if fail == "kv" and row > 0:
-                raise CopyFailed("kv")
-            return {"layer": np.asarray(tokens[row:row + GRID], np.int64)}
+        pages = [self.pool.take() for _ in range(length)]  # a request's pages, one position each
+        self.token_of.update(zip(pages, tokens, strict=False))
 
         def gdn():
             if fail == "gdn":
@@ -60,10 +62,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return {"layer": np.full((state_size,), length, np.int32)}
 
         try:
-            self.cache.store(tokens, length, kv_rows=kv_rows, gdn=gdn)
+            self.cache.store(tokens, length, pages, gdn=gdn)
         except CopyFailed:
             self.last = None
             return
+        finally:
+            self.pool.release(pages)  # the request ends
         prefix = tuple(tokens[:length])
         bytes_alone = length // GRID * GRID * 8 + state_size * 4
         # the newest prefix is kept unless it alone (or with what it shares) exceeds the budget
@@ -74,6 +78,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def the_prefix_stored_last_is_found(self):
         hit = self.cache.lookup(list(self.last), limit=len(self.last))
         assert hit is not None and hit.length == len(self.last)
+        self.pool.release(hit.pages)
 
     @rule(tokens=TOKENS, limit=st.integers(0, 12))
     def lookup(self, tokens, limit):
@@ -85,9 +90,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert hit is None
             return
         assert hit is not None and hit.length == best
-        restored = [int(t) for chunk in hit.kv for t in chunk["layer"]]
-        assert restored == list(tokens[:best])
+        assert [self.token_of[page] for page in hit.pages] == list(tokens[:best])
         assert int(hit.gdn["layer"][0]) == best
+        self.pool.release(hit.pages)  # the request that read them ends
 
     @rule()
     def clear(self):
@@ -98,6 +103,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def the_byte_count_is_what_is_held_and_within_the_budget(self):
         assert self.cache.nbytes == self.cache.held_bytes()
         assert self.cache.nbytes <= self.cache.budget
+
+    @invariant()
+    def the_pages_in_use_are_the_caches(self):
+        assert self.pool.in_use == self.cache.census()["pages"]
 
     @invariant()
     def every_kept_chunk_leads_to_a_kept_state(self):

@@ -77,6 +77,33 @@ def cases(platform: str):
                        lhs, rhs, sizes, rhs_scales=scales[0] if scales else None, active_groups=active,
                        variant="tpu" if platform == "tpu" else "gpu", interpret=False), args)
     yield from expert_backward_cases(platform)
+    yield from paged_attention_cases()
+
+
+# The serving engine's attention over K/V pages (`pallas_kernels.paged_attention`), as its ragged pass
+# calls it at Clover-35B's attention shapes: a pass of 1,024 tokens in tiles of 16 rows, 16 slots of
+# 32,768 positions in pages of 16 (the attention layers' 10 groups in one pool).
+PAGED = {"tokens": 1024, "heads": 16, "kv_heads": 2, "head_dim": 256, "page": 16, "slots": 16,
+         "pages_per_slot": 2048, "groups": 10}
+
+
+def paged_attention_cases():
+    """(name, function, abstract args) of the paged attention kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import TILE_ROWS, paged_attention
+
+    spec = jax.ShapeDtypeStruct
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    shape = PAGED
+    tiles = shape["tokens"] // TILE_ROWS + shape["slots"]
+    pages = spec((shape["groups"], shape["slots"] * shape["pages_per_slot"] + 1, shape["kv_heads"], shape["page"],
+                  shape["head_dim"]), bf16)
+    args = (spec((shape["tokens"], shape["heads"], shape["head_dim"]), bf16), pages, pages, spec((), i32),
+            spec((shape["slots"], shape["pages_per_slot"]), i32), spec((shape["tokens"],), i32),
+            spec((tiles, TILE_ROWS), i32), spec((tiles,), i32))
+    yield "paged_attention", lambda *a: paged_attention(*a, interpret=False), args
 
 
 # ------------------------------------------------------------ the routed experts' backward pass
@@ -161,7 +188,9 @@ def main(out_path: str, targets: tuple[str, ...] = TARGETS) -> None:
         for case, function, args in cases(chosen.platform):
             placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
             try:
-                lowered = jax.jit(function).lower(*placed)
+                # Mosaic's lowering of integer arithmetic asks the default device what it is
+                with jax.default_device(device):
+                    lowered = jax.jit(function).lower(*placed)
                 compiled = lowered.compile()
                 results[f"{name}/{case}"] = {
                     "custom_call": CUSTOM_CALL[chosen.platform] in lowered.as_text(),

@@ -4,7 +4,8 @@ chunk and a block commit, and differentiated with its block states, as the train
 it), the routed experts' grouped matmul in bfloat16 (megablox on TPU), int8 and int4 (our
 kernel, dequantising tile by tile), and with `active_groups` (a coreset); and the grouped
 matmul's backward pass as training differentiates it (d lhs and d rhs for bfloat16 weights —
-megablox gmm/tgmm on TPU, our Triton kernels on the H200 — d lhs through int8 / int4).
+megablox gmm/tgmm on TPU, our Triton kernels on the H200 — d lhs through int8 / int4); and the
+serving engine's attention over K/V pages (head dim 256, pages of 16, a pass of 1,024 tokens).
 
 Deviceless ahead-of-time compilation runs the real compilers here (Mosaic's layout passes,
 Triton + ptxas), so a kernel that lowers but that the compiler refuses fails here — as Mosaic
@@ -51,7 +52,8 @@ def expected_cases() -> list[str]:
             names.append(f"experts_active_groups/{fmt or 'bf16'}/{matmul}")
         names.append(f"experts_backward/{fmt or 'bf16'}/gate_up")
     return [f"{target}/{name}" for target in run.SUITE_TARGETS
-            for name in [f"gdn_chunk/{tokens}" for tokens in run.GDN_TOKENS[run.PLATFORMS[target]]] + names]
+            for name in [f"gdn_chunk/{tokens}" for tokens in run.GDN_TOKENS[run.PLATFORMS[target]]] + names
+            + ["paged_attention"]]
 
 
 def gdn_backward_cases() -> list[str]:
@@ -88,6 +90,9 @@ def test_the_kernel_compiles_for_the_target(compiled, case):
                                  [[1, run.VALUE_HEADS, run.HEAD_DIM, run.HEAD_DIM], "float32"]]
     elif name[1] == "experts_backward":
         check_expert_backward(name[2], name[3], result)
+    elif name[1] == "paged_attention":
+        paged = run.PAGED
+        assert result["out"] == [[[paged["tokens"], paged["heads"], paged["head_dim"]], "bfloat16"]]
     else:
         cols = run.MATMULS[name[3]][1]
         rows = int(name[4]) if name[1] == "experts" else 32 * run.TOP_K

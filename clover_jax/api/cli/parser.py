@@ -143,11 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_GRID})")
     serve.add_argument("--no-warmup", action="store_true",
                        help="skip the warm-up request that compiles the default decoding before serving")
+    serve.add_argument("--kv-cache-gb", type=float_arg, default=None, metavar="GIB",
+                       help="device memory for the K/V page pool, in GiB (default: every running request at the "
+                            "full context plus the prefix cache's budget, at most 60%% of the memory the device has "
+                            "free after the weights; docs/serving.md)")
     serve.add_argument("--precompile", nargs="?", const="all", default=None, metavar="MODE,MODE,...",
                        help="before the port opens, compile the served modes (all three, or those named: "
-                            "diffusion, autoregressive, self_speculative) at every --block-sizes for every batch up "
-                            "to --max-running and cache size up to --max-context, so that no request in them waits "
-                            "on a compile (logs the program count and time; docs/serving.md)")
+                            "diffusion, autoregressive, self_speculative) at every --block-sizes: one forward per "
+                            "token padding and each mode's decisions, whatever the context, so that no request "
+                            "waits on a compile (logs the program count and time). Default: all three on a TPU or "
+                            "GPU; on a CPU a warm-up request instead (docs/serving.md)")
+    serve.add_argument("--no-precompile", action="store_true",
+                       help="do not precompile on an accelerator (the first requests then wait on compiles)")
     serve.add_argument("--log-requests", action="store_true",
                        help="log one line per request: method, path, status, seconds, request id")
     serve.set_defaults(run=run_serve)

@@ -32,6 +32,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     if args.prefix_cache_grid < 1:
         raise UsageError(f"--prefix-cache-grid must be >= 1, got {args.prefix_cache_grid}")
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        raise UsageError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    if args.precompile is not None and args.no_precompile:
+        raise UsageError("--precompile and --no-precompile exclude each other")
     sizes = None
     if args.block_sizes is not None:
         try:
@@ -59,7 +63,10 @@ def run_serve(args: argparse.Namespace) -> int:
                             revision=args.revision if is_hub_snapshot(args.model) else None,
                             quantize=placement.quantize, adapter=args.adapter, mesh=placement.mesh_shape,
                             prefix_cache_bytes=int(args.prefix_cache_gb * 2**30),
-                            prefix_cache_grid=args.prefix_cache_grid)
+                            prefix_cache_grid=args.prefix_cache_grid,
+                            kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30))
+    if args.precompile is None and not args.no_precompile and on_accelerator():
+        modes = precompiled_modes("all")
     if modes:
         done = precompile(service, modes=modes)
         print(f"clover-jax serve: precompiled {done.programs} programs in {done.seconds:.1f} s ({done.covers})",
@@ -80,6 +87,13 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(service, args.host, args.port, args.api_key, args.max_body_bytes, body_timeout=args.body_timeout,
           max_connections=args.max_connections, log_requests=args.log_requests)
     return 0
+
+
+def on_accelerator() -> bool:
+    """Whether JAX runs on a TPU or GPU here (where `serve` precompiles by default)."""
+    import jax
+
+    return jax.default_backend() != "cpu"
 
 
 def precompiled_modes(value: str | None) -> tuple[str, ...]:

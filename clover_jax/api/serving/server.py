@@ -17,11 +17,10 @@ import uvicorn
 
 from clover_jax.api.serving.app import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, create_app
 from clover_jax.api.serving.service import Service
-from decoding.engine.prefix_cache import DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
+from decoding.serving_defaults import DEFAULT_BLOCK_SIZES, DEFAULT_GRID, DEFAULT_PREFIX_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZES = (16, 32, 64)
 # The bound on open connections: uvicorn's limit_concurrency, which counts the arriving connection
 # (N - 1 are served at once) and answers 503 beyond it, so that a flood of idle or slow clients cannot
 # exhaust the process's sockets. Far above the engine's slots: waiting requests queue in the engine.
@@ -33,7 +32,7 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
                   revision: str | None = None, progress: bool = False, quantize: str | None = None,
                   adapter: str | None = None, mesh=None, target: str | None = None,
                   prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                  prefix_cache_grid: int = DEFAULT_GRID) -> Service:
+                  prefix_cache_grid: int = DEFAULT_GRID, kv_cache_bytes: int | None = None) -> Service:
     """Load the checkpoint (a directory or a Hub id) and start its engine.
 
     name: the model's name in the API (default: `path` as given); block_sizes: the block sizes a
@@ -44,7 +43,8 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     "auto", the format and mesh `clover_jax.plan` recommends for these devices at `max_context`
     positions and `max_running` sequences (`clover_jax.api.placement`; not with quantize or mesh);
     prefix_cache_bytes: the engine's prefix cache budget (0: none), prefix_cache_grid: its grid in
-    tokens (`decoding.engine.prefix_cache`)."""
+    tokens (`decoding.engine.prefix_cache`); kv_cache_bytes: the K/V page pool (None: the engine's
+    default, `decoding.engine.shapes.pool_pages`)."""
     from clover_jax.api.placement import resolve_placement
     from clover_jax.core.config import CloverConfig
     from clover_jax.core.hub import resolve_checkpoint
@@ -59,10 +59,13 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     tokenizer = Tokenizer.from_pretrained(adapter) if adapter else Tokenizer.from_pretrained(path, revision=revision)
     model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, adapter=adapter,
                                         **placement.load_options())
+    from decoding.validation import model_defaults
+
+    sizes = tuple(block_sizes) if block_sizes else (model_defaults(model).block_size, *DEFAULT_BLOCK_SIZES)
     engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid)
-    sizes = tuple(block_sizes) if block_sizes else tuple(sorted({engine.defaults.block_size, *DEFAULT_BLOCK_SIZES}))
-    return Service(model, tokenizer, engine, name or str(path), sizes)
+                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid, block_sizes=sizes,
+                    kv_cache_bytes=kv_cache_bytes)
+    return Service(model, tokenizer, engine, name or str(path), engine.block_sizes)
 
 
 def warm_up(service: Service) -> float:
@@ -78,7 +81,7 @@ def warm_up(service: Service) -> float:
 
 def precompile(service: Service, *, modes: Sequence[str] | None = None, sample: bool = True):
     """Compile, before the port opens, the programs of `modes` (default: every mode) at the served
-    block sizes for every lane size up to `max_running` and cache bucket up to the engine's context
+    block sizes: one forward per token padding and each mode's decisions, whatever the context
     (`Engine.precompile`); returns its `Precompiled` (program count, seconds). Requests outside
     that set compile on demand, logged with their shape."""
     return service.engine.precompile(modes, block_sizes=service.block_sizes, sample=sample)

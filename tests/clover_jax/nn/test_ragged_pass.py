@@ -11,6 +11,8 @@ and the state each slot is left with is the one the next pass needs.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +24,21 @@ from tests.conftest import MASK_ID
 SLOTS, PAGE, PAGES_PER_SLOT = 4, 4, 16
 
 
+class Pass(NamedTuple):
+    logits: jax.Array
+    state: Any
+
+
 @pytest.fixture(scope="module")
 def setup(clover):
     passes, params = clover.passes, clover.run_params
     config = clover.config
     coreset, top_p = config.moe_block_coreset_enabled, config.moe_block_coreset_top_p
-    run = jax.jit(lambda ids, batch, state: passes.ragged(params, jnp.asarray(ids), batch, state, coreset=coreset,
-                                                          coreset_top_p=top_p))
+    def ragged(ids, batch, state):  # (each slot's logit rows' logits [S, W, vocab], the state after the pass)
+        out = passes.ragged(params, jnp.asarray(ids), batch, state, coreset=coreset, coreset_top_p=top_p)
+        return Pass(passes.head_logits(params, out.hidden), out.state)
+
+    run = jax.jit(ragged)
     # slot s holds pages 1 + s * 16 ...: a shuffled pool would do as well; page 0 is the padding rows'
     table = np.arange(1, 1 + SLOTS * PAGES_PER_SLOT).reshape(SLOTS, PAGES_PER_SLOT)[:, ::-1].copy()
     state = jax.jit(lambda: passes.new_paged_state(SLOTS, 1 + SLOTS * PAGES_PER_SLOT, PAGE))()
@@ -111,3 +121,32 @@ def test_layout_refuses_work_that_does_not_fit():
         layout([SlotWork(1, 0, (), tuple(range(9)))], num_tokens=16, page_table=table, max_block=8, logit_width=9,
                chunk=16)
     assert chunk_shape(16, 4, 64) == (5, 16) and chunk_shape(256, 4, 64) == (8, 64)
+
+
+def test_the_pallas_kernel_over_pages_equals_the_xla_rule_in_the_pass(setup):
+    """The same pass with the paged attention kernel (`KernelChoice.pages="pallas"`, interpreted on
+    CPU) and with the plain-JAX rule: logits and pages to float rounding."""
+    import dataclasses
+
+    from clover_jax.nn.model import TransformerPasses
+
+    model, run, table, state = setup
+    config = model.config
+    kernel = TransformerPasses(model.module.clone(kernels=dataclasses.replace(model.kernels, pages="pallas")))
+    def ragged(ids, batch, state):
+        out = kernel.ragged(model.run_params, jnp.asarray(ids), batch, state, coreset=config.moe_block_coreset_enabled,
+                            coreset_top_p=config.moe_block_coreset_top_p)
+        return Pass(kernel.head_logits(model.run_params, out.hidden), out.state)
+
+    run_kernel = jax.jit(ragged)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(2, MASK_ID, n).tolist() for n in (13, 8)]
+    works = [SlotWork(s, 0, tuple(p), logit_rows=(len(p) - 1,)) for s, p in enumerate(prompts)]
+    ids, batch = layout(works, num_tokens=64, page_table=table, max_block=8, logit_width=9, chunk=16)
+    first = run(ids, batch, state)
+    works = [SlotWork(0, 13, (5, 6, 7), tuple([MASK_ID] * 8), True, tuple(range(3, 11))),
+             SlotWork(1, 8, (9,), (), True, (0,))]
+    ids, batch = layout(works, num_tokens=64, page_table=table, max_block=8, logit_width=9, chunk=16)
+    plain, pallas = run(ids, batch, first.state), run_kernel(ids, batch, first.state)
+    close(pallas.logits[0, :8], plain.logits[0, :8])
+    close(pallas.logits[1, :1], plain.logits[1, :1])

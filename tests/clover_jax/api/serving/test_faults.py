@@ -1,6 +1,7 @@
-"""Faults injected into a running server of the bundled model: a decoding lane whose step raises
-fails its own requests with an OpenAI error body, while the requests of the other lanes, sent at
-the same time, are answered as they are without the fault; afterwards the server serves every mode."""
+"""Faults injected into a running server of the bundled model: a mode's decision that raises fails
+that mode's requests with an OpenAI error body, while the requests of the other mode, sent at the
+same time and decoded in the same passes, are answered as they are without the fault; afterwards
+the server serves every mode."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 
 import httpx
 
-from decoding.engine import lanes
+from decoding.engine import decisions
 
 SORTS = ["sort 3 1 4 1 5", "sort 9 2 7 4", "sort 8 1 6 0 2 2", "sort 5 5 1", "sort 7 3 9 1 0 4 2", "sort 6 2 8 4"]
 
@@ -25,23 +26,23 @@ def _send_together(url: str, bodies: list[dict]) -> list[httpx.Response]:
     return asyncio.run(together())
 
 
-def test_a_failing_lane_fails_its_requests_and_the_other_lanes_serve_on(bundled_server, monkeypatch):
+def test_a_failing_decision_fails_its_modes_requests_and_the_other_mode_serves_on(bundled_server, monkeypatch):
     server, service = bundled_server
     bodies = [_body(content, mode) for content in SORTS for mode in ("diffusion", "autoregressive")]
     healthy = _send_together(server.url, bodies)
     assert all(response.status_code == 200 for response in healthy), [r.text for r in healthy]
 
-    def broken(self):
-        raise RuntimeError("injected lane failure")
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected decision failure")
 
-    monkeypatch.setattr(lanes.AutoregressiveLane, "step", broken)
+    monkeypatch.setattr(decisions, "decide_autoregressive", broken)
     faulty = _send_together(server.url, bodies)
     for body, response, before in zip(bodies, faulty, healthy, strict=True):
         if body["mode"] == "autoregressive":
             assert response.status_code == 500, response.text
             error = response.json()["error"]
-            assert "injected lane failure" in error["message"] and error["code"] == "engine_error", error
-        else:  # the diffusion lane decodes on, and gives what it gave without the fault
+            assert "injected decision failure" in error["message"] and error["code"] == "engine_error", error
+        else:  # diffusion decodes on, and gives what it gave without the fault
             assert response.status_code == 200, response.text
             assert response.json()["choices"] == before.json()["choices"]
     monkeypatch.undo()

@@ -10,7 +10,6 @@ import json
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
@@ -235,19 +234,19 @@ def test_malformed_json_and_completion_refusals(bundled_server):
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(bundled_server, monkeypatch):
-    """A prefill that raises (injected for one prompt) fails that request with a 500 error body;
-    the requests around it are answered."""
+    """A request whose admission raises (injected for one prompt) fails with a 500 error body; the
+    requests around it are answered."""
     server, service = bundled_server
-    import decoding.engine.engine as engine_module
+    from decoding.engine import Engine
 
-    real = engine_module.prefill_chunk
+    real = Engine.entry_for
 
-    def failing(passes, params, ids, state):
-        if 127 in np.asarray(ids):  # the token "digits": only the injected prompt holds it
+    def failing(self, prepared):
+        if 127 in prepared.prompt:  # the token "digits": only the injected prompt holds it
             raise RuntimeError("injected failure")
-        return real(passes, params, ids, state)
+        return real(self, prepared)
 
-    monkeypatch.setattr(engine_module, "prefill_chunk", failing)
+    monkeypatch.setattr(Engine, "entry_for", failing)
     doomed = {"model": "tiny-clover", "max_tokens": 8,
               "messages": [{"role": "user", "content": "sort digits digits digits 1 2"}]}
 
