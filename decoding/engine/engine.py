@@ -193,6 +193,10 @@ class Engine:
                                         prefix_cache_bytes=prefix_cache_bytes)
         self.block_sizes = self.shapes.block_sizes
         self.prefill_budget = self.shapes.prefill_budget
+        if kv_cache_bytes is None and hasattr(model, "check_memory"):
+            # the default pool holds every slot at the full context: refused before anything compiles
+            # when that and the activations do not fit (a smaller --kv-cache-gb is the user's choice)
+            model.check_memory(max_running, max_context, self.shapes.max_block)
         self.balance_prefill = jax.default_backend() == "cpu" if balance_prefill is None else bool(balance_prefill)
         self.pool = PagePool(self.shapes.num_pages)
         self.page_bytes = page_bytes(model.config, self.shapes.page_size, model.dtype)
