@@ -3,7 +3,7 @@ self-speculative vs clover-jax autoregressive vs `transformers` `generate` (gree
 cache), on the same prompts.
 
 Default checkpoint: the bundled trained tiny Clover (`clover_jax/bundled/tiny-clover`) with its
-task (sorting digits, `clover_jax.training.task`), so accuracy is scored too. `--model DIR` takes
+task (sorting digits, `clover_jax.training.tiny.sort_digits`), so accuracy is scored too. `--model DIR` takes
 any `clover_moe` checkpoint; `--random` (or a missing bundled model) writes a tiny random Clover
 checkpoint and uses random prompts (then tokens/s measure per-forward cost only: random weights
 decide about one token per denoising step, and there is nothing to score).
@@ -158,7 +158,7 @@ def task_prompts(path: str, count: int):
     try:
         from tokenizers import Tokenizer
 
-        from clover_jax.training.recipe import Recipe
+        from clover_jax.training.tiny.recipe import Recipe
     except ImportError:
         return None, None
     tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))

@@ -73,7 +73,7 @@ def compiled_traffic(model, state, token, block) -> dict:
     """XLA's own cost analysis of the compiled steps (see the module docstring for its caveats)."""
     import jax.numpy as jnp
 
-    from clover_jax.api.clover_model import run_causal, run_pass
+    from clover_jax.model.clover_model import run_causal, run_pass
 
     def analysis(compiled):
         cost = compiled.cost_analysis()

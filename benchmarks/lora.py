@@ -53,11 +53,12 @@ def run_method(name: str, *, data: str, out: str, steps: int, problems, task) ->
     from tokenizers import Tokenizer
 
     from clover_jax import CloverModel
+    from clover_jax.adapters import lora
+    from clover_jax.adapters.adapter_io import read_adapter
     from clover_jax.core.params import parameter_counts
-    from clover_jax.training import FinetuneConfig, finetune, lora
-    from clover_jax.training.adapter_io import read_adapter
-    from clover_jax.training.evaluation import evaluate
-    from clover_jax.training.recipe import BUNDLED_DIR
+    from clover_jax.training import FinetuneConfig, finetune
+    from clover_jax.training.tiny.recipe import BUNDLED_DIR
+    from clover_jax.training.tiny.scoring import score_exact_match
 
     fields = dict(METHODS[name])
     # LoRA takes a larger learning rate than full fine-tuning (the factors start at zero / small)
@@ -76,7 +77,7 @@ def run_method(name: str, *, data: str, out: str, steps: int, problems, task) ->
         model = CloverModel.from_pretrained(BUNDLED_DIR, adapter=adapter_dir, quantize=fields.get("quantize"),
                                             progress=False)
     tokenizer = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
-    scores = evaluate(model, tokenizer, task, problems, batch_size=len(problems), max_new_tokens=64)
+    scores = score_exact_match(model, tokenizer, task, problems, batch_size=len(problems), max_new_tokens=64)
     return {"method": name, "trainable_parameters": int(trainable), "step_seconds": float(np.median(step_times)),
             "final_loss": result.metrics[-1]["loss"], "full_match": scores["full_match"],
             "answer_match": scores["answer_match"]}
@@ -93,8 +94,8 @@ def main() -> None:
         args.steps, args.problems = 20, 20
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
-    from clover_jax.training.recipe import write_task_data
-    from clover_jax.training.task import SortDigits
+    from clover_jax.training.tiny.recipe import write_task_data
+    from clover_jax.training.tiny.sort_digits import SortDigits
 
     task = SortDigits(min_digits=9, max_digits=10)
     problems = task.held_out(args.problems)

@@ -222,8 +222,8 @@ def measure(name: str, model, requests, rounds: int, warmup: int | None = None) 
 
 
 def bundled_requests(count: int, max_new_tokens: int):
-    from clover_jax.api.tokenization import Tokenizer
-    from clover_jax.training.task import SortDigits
+    from clover_jax.text.tokenizer import Tokenizer
+    from clover_jax.training.tiny.sort_digits import SortDigits
     from decoding.engine import EngineRequest
 
     tokenizer, task = Tokenizer.from_pretrained(BUNDLED_DIR), SortDigits()

@@ -245,7 +245,7 @@ def measure(label: str, model_dir: str, name: str, requests, rounds: int, max_to
     import openai
 
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding.engine import Engine
 
     for request in requests:  # greedy, as the HTTP requests ask (temperature 0)

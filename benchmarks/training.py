@@ -55,12 +55,13 @@ def main(argv=None) -> None:
     from benchmarks.forward_cost import MEDIUM, QUICK
     from benchmarks.machine_rates import matmul_rate
     from clover_jax import CloverModel
-    from clover_jax.training.block_pass import training_module
+    from clover_jax.training.batches import Normalisers, TrainRows, choose_blocks, normalisers
     from clover_jax.training.config import FinetuneConfig
-    from clover_jax.training.dataset import choose_blocks
-    from clover_jax.training.loss import LossSettings, TrainRows
     from clover_jax.training.packing import PackedRows
-    from clover_jax.training.step import OptimizerSettings, StepProgram, init_state, normalisers, train_step
+    from clover_jax.training.state import OptimizerSettings, init_state
+    from clover_jax.training.step import StepProgram, train_step
+    from clover_jax.training.train_sharding import place
+    from clover_jax.training.trainer import placed_state, training_mesh, training_mesh_sharding
 
     fields = QUICK if args.quick else MEDIUM
     rounds = 2 if args.quick else args.rounds
@@ -73,28 +74,32 @@ def main(argv=None) -> None:
     ids = rng.integers(0, fields["vocab_size"] - 1, shape).astype(np.int32)
     packed = PackedRows(ids, np.ones(shape, np.int32), ids, np.ones(shape, bool), np.ones(shape, bool),
                         np.ones(args.batch, np.int32))
-    module = training_module(model.module)
-    key, top_p = jax.random.key(0), jnp.float32(model.config.moe_block_coreset_top_p)
+    mesh_sharding = training_mesh_sharding(training_mesh(FinetuneConfig()), model.config)
+    module = model.module.clone(mesh_sharding=mesh_sharding)
     runs = {}
     for name, limit, complementary in (("one_pass", None, True), ("one_block_per_example", 1, False)):
         config = FinetuneConfig(steps=100, batch_size=args.batch, seq_len=length, block_size=block,
                                 complementary=complementary, max_noisy_blocks=limit, learning_rate=1e-5)
-        settings = LossSettings(block_size=block, mask_token_id=model.config.mask_token_id, coreset=True,
-                                complementary=complementary, loss_weighting=config.weighting)
-        program = StepProgram(module, settings, OptimizerSettings.of(config), config.mask_ratio_floor, "float32", 1)
+        program = StepProgram.of(config, module, block_size=block, compute_dtype="float32")
         width = length // block if limit is None else 1
         blocks = choose_blocks(packed, np.arange(args.batch), block_size=block, width=width, max_noisy_blocks=limit,
                                rng=np.random.default_rng(1))
-        rows = TrainRows(*(jnp.asarray(array) for array in packed[:5]), jnp.asarray(blocks))
+        rows = TrainRows(*packed[:5], blocks)
         norm = normalisers(rows, block)
         # a copy per run: the step donates its state, and the state would otherwise share the model's arrays
-        holder = {"state": init_state(program.optimizer, jax.tree.map(jnp.copy, model.params))}
+        state, layout, _ = placed_state(mesh_sharding, init_state(OptimizerSettings.of(config),
+                                                                  jax.tree.map(jnp.copy, model.params)), None, rows)
+        placed = (place(rows, layout.rows), jax.jit(lambda: jax.random.key(0), out_shardings=layout.replicated)(),
+                  place(norm, Normalisers(layout.replicated, layout.replicated)),
+                  place(np.float32(model.config.moe_block_coreset_top_p), layout.replicated))
+        step = train_step(program, layout)
+        holder = {"state": state}
 
-        def run(program=program, rows=rows, norm=norm, holder=holder):
-            holder["state"], metrics = train_step(holder["state"], rows, key, norm, top_p, program=program)
+        def run(step=step, placed=placed, holder=holder):
+            holder["state"], metrics = step(holder["state"], *placed, None)
             return jax.block_until_ready(metrics)
 
-        compiled = train_step.lower(holder["state"], rows, key, norm, top_p, program=program).compile()
+        compiled = step.lower(holder["state"], *placed, None).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         masked_targets = float(norm.loss_tokens)  # once per pair with the complement; ~t of them without

@@ -7,15 +7,15 @@ which checks its arguments first) does not pay for importing jax until something
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "CloverModel": "clover_jax.api.clover_model",
-    "Tokenizer": "clover_jax.api.tokenization",
+    "CloverModel": "clover_jax.model.clover_model",
+    "Tokenizer": "clover_jax.text.tokenizer",
     "CloverConfig": "clover_jax.core.config",
     "ConfigError": "clover_jax.core.config",
     "choose_kernels": "clover_jax.core.kernels",
+    "bundled_model_path": "clover_jax.core.bundled",
     "plan": "clover_jax.api.plan",
     "QuantSpec": "clover_jax.core.quantization",
     "MeshSharding": "clover_jax.parallel.sharding",
@@ -23,28 +23,22 @@ _EXPORTS = {
     "make_mesh": "clover_jax.parallel.sharding",
 }
 
-__all__ = sorted([*_EXPORTS, "bundled_model_path"])
+__all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     # `as` marks each name as re-exported (__all__ is built from _EXPORTS at run time)
-    from clover_jax.api.clover_model import CloverModel as CloverModel
     from clover_jax.api.plan import plan as plan
-    from clover_jax.api.tokenization import Tokenizer as Tokenizer
+    from clover_jax.core.bundled import bundled_model_path as bundled_model_path
     from clover_jax.core.config import CloverConfig as CloverConfig, ConfigError as ConfigError
     from clover_jax.core.kernels import choose_kernels as choose_kernels
     from clover_jax.core.quantization import QuantSpec as QuantSpec
+    from clover_jax.model.clover_model import CloverModel as CloverModel
     from clover_jax.parallel.sharding import (
         MeshSharding as MeshSharding,
         ShardingRules as ShardingRules,
         make_mesh as make_mesh,
     )
-
-
-def bundled_model_path() -> Path:
-    """The tiny Clover that ships with the package (4 layers, 8 experts, a 128-token vocabulary,
-    trained to sort digits): a complete checkpoint directory — config, weights, tokenizer and chat
-    template — that `CloverModel`, `GenerationConfig` and `Tokenizer` load like any other."""
-    return Path(__file__).resolve().parent / "bundled" / "tiny-clover"
+    from clover_jax.text.tokenizer import Tokenizer as Tokenizer
 
 
 def __getattr__(name: str):

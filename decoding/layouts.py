@@ -1,7 +1,7 @@
 """How a batch of prompts becomes the arguments of each compiled decoding loop, for every mode.
 
 `generate` lays out its prompts here, and so does ahead-of-time compilation
-(`clover_jax.api.aot`), which lays out placeholder prompts of a request's shape: the programs it
+(`clover_jax.api.compile.decode_loops`), which lays out placeholder prompts of a request's shape: the programs it
 compiles for an accelerator are the ones `generate` would run there.
 
 Layout (docs/design.md §4). Absolute alignment: sequence i's first `floor(P_i/B)` prompt blocks

@@ -30,9 +30,9 @@ _EXPORTS = {
     "gdn_chunk_reference": "pallas_kernels.gdn_chunk_reference",
     "gdn_chunk_with_block_states": "pallas_kernels.gdn_chunk",
     "gdn_chunk_xla": "pallas_kernels.gdn_chunk_xla",
-    "GPU_TILES": "pallas_kernels.grouped_matmul",
-    "TPU_TILES": "pallas_kernels.grouped_matmul",
-    "Tiles": "pallas_kernels.grouped_matmul",
+    "GPU_TILES": "pallas_kernels.grouped_matmul_tiles",
+    "TPU_TILES": "pallas_kernels.grouped_matmul_tiles",
+    "Tiles": "pallas_kernels.grouped_matmul_tiles",
     "grouped_matmul": "pallas_kernels.grouped_matmul",
     "grouped_matmul_for_platform": "pallas_kernels.grouped_matmul_platform",
     "grouped_matmul_reference": "pallas_kernels.grouped_matmul_reference",
@@ -51,15 +51,11 @@ if TYPE_CHECKING:
     from pallas_kernels.gdn_chunk_reference import gdn_chunk_reference as gdn_chunk_reference
     from pallas_kernels.gdn_chunk_size import CHUNK_SIZE as CHUNK_SIZE
     from pallas_kernels.gdn_chunk_xla import gdn_chunk_xla as gdn_chunk_xla
-    from pallas_kernels.grouped_matmul import (
-        GPU_TILES as GPU_TILES,
-        TPU_TILES as TPU_TILES,
-        Tiles as Tiles,
-        grouped_matmul as grouped_matmul,
-    )
+    from pallas_kernels.grouped_matmul import grouped_matmul as grouped_matmul
     from pallas_kernels.grouped_matmul_platform import grouped_matmul_for_platform as grouped_matmul_for_platform
     from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference as grouped_matmul_reference
     from pallas_kernels.grouped_matmul_schedule import WorkTiles as WorkTiles, work_tiles as work_tiles
+    from pallas_kernels.grouped_matmul_tiles import GPU_TILES as GPU_TILES, TPU_TILES as TPU_TILES, Tiles as Tiles
 
 
 class _Package(types.ModuleType):

@@ -38,83 +38,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
+from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
 from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
+from pallas_kernels.grouped_matmul_tiles import (
+    GPU_TILES,
+    TPU_TILES,
+    Tiles,
+    WeightFormat,
+    default_precision,
+    fit_tile,
+    output_zeros,
+    row_mask,
+    scale_row,
+    weight_format,
+)
 from pallas_kernels.platforms import Variant, per_platform
-from pallas_kernels.quantized_weights import check_int4_widths, int4_group_size, unpack_int4_halves
+from pallas_kernels.quantized_weights import unpack_int4_halves
 
 _A_BT = (((1,), (1,)), ((), ()))  # lhs tile [rows, k] @ rhs tile [n, k]ᵀ
-
-
-class Tiles(NamedTuple):
-    rows: int
-    cols: int
-    depth: int  # the contraction dimension
-
-
-GPU_TILES = Tiles(64, 128, 64)
-TPU_TILES = Tiles(128, 512, 1024)  # large n/k tiles: routed experts are weight-bandwidth bound
-
-
-class WeightFormat(NamedTuple):
-    """How rhs is stored: bits None (float), 8 or 4; group: int4 inputs per scale."""
-
-    bits: int | None = None
-    group: int = 0
-
-    @property
-    def depth_per_byte(self) -> int:
-        return 2 if self.bits == 4 else 1
-
-
-def weight_format(rhs: jax.Array, rhs_scales: jax.Array | None, depth: int) -> WeightFormat:
-    """The format of `rhs` [groups, cols, stored depth] given its scales; ValueError when they disagree."""
-    if rhs_scales is None:
-        if not jnp.issubdtype(rhs.dtype, jnp.floating):
-            raise ValueError(f"rhs of dtype {rhs.dtype} is quantised: pass its rhs_scales")
-        return WeightFormat()
-    if rhs_scales.ndim != 3 or (rhs_scales.shape[0], rhs_scales.shape[2]) != rhs.shape[:2]:
-        raise ValueError(f"rhs_scales {rhs_scales.shape} must be [groups, scale groups, cols] for rhs {rhs.shape}")
-    if rhs.dtype == jnp.int8:
-        if rhs_scales.shape[1] != 1 or rhs.shape[2] != depth:
-            raise ValueError(f"int8 rhs {rhs.shape} takes one scale per output row, got rhs_scales {rhs_scales.shape}")
-        return WeightFormat(8)
-    if rhs.dtype == jnp.uint8:
-        group = int4_group_size(rhs.shape, rhs_scales.shape)
-        problem = check_int4_widths(depth, group)
-        if rhs.shape[2] * 2 != depth or problem:
-            raise ValueError(f"packed int4 rhs {rhs.shape} with scales {rhs_scales.shape} does not hold lhs depth "
-                             f"{depth}" + (f": {problem}" if problem else ""))
-        return WeightFormat(4, group)
-    raise ValueError(f"quantised rhs must be int8 or packed int4 (uint8), got {rhs.dtype}")
-
-
-def fit_tile(size: int, preferred: int) -> int:
-    """`preferred` when it divides `size`; all of `size` when smaller; else the largest power-of-two
-    divisor below `preferred` (GPU loads need powers of two, TPU blocks multiples of 128)."""
-    if size <= preferred:
-        return size
-    tile = preferred
-    while size % tile:
-        tile //= 2
-    return tile
-
-
-def default_precision(compute_dtype) -> jax.lax.Precision:
-    """HIGHEST for float32 operands (exact parity); DEFAULT otherwise — a bfloat16 dot is exact in
-    float32 accumulation anyway, and TPU Mosaic rejects HIGHEST on bfloat16 operands."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def _row_mask(schedule_row_start, schedule_row_end, row_tile, tile_rows, shape):
-    rows = row_tile * tile_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    return (rows >= schedule_row_start) & (rows < schedule_row_end)
-
-
-def _scale_row(scales: jax.Array, index) -> jax.Array:
-    """Row `index` (traced) of scales [scale groups, cols] as float32 [1, cols], without a dynamic
-    slice (which Mosaic and Triton lower poorly): a select and a sum over the few groups."""
-    chosen = jax.lax.broadcasted_iota(jnp.int32, scales.shape, 0) == index
-    return jnp.sum(jnp.where(chosen, scales.astype(jnp.float32), 0.0), axis=0, keepdims=True)
 
 
 def _tile_product(lhs_parts, rhs, scales, step, fmt: WeightFormat, compute_dtype, precision) -> jax.Array:
@@ -130,10 +71,10 @@ def _tile_product(lhs_parts, rhs, scales, step, fmt: WeightFormat, compute_dtype
     if fmt.bits is None:
         return dot(lhs_parts[0], rhs)
     if fmt.bits == 8:
-        return dot(lhs_parts[0], rhs) * _scale_row(scales, 0)
+        return dot(lhs_parts[0], rhs) * scale_row(scales, 0)
     low, high = unpack_int4_halves(rhs)
-    return (dot(lhs_parts[0], low) * _scale_row(scales, 2 * step)
-            + dot(lhs_parts[1], high) * _scale_row(scales, 2 * step + 1))
+    return (dot(lhs_parts[0], low) * scale_row(scales, 2 * step)
+            + dot(lhs_parts[1], high) * scale_row(scales, 2 * step + 1))
 
 
 def _lhs_parts(load, start, depth, fmt: WeightFormat) -> tuple:
@@ -167,7 +108,7 @@ def _gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
 
         steps = lhs_ref.shape[1] // tiles.depth
         acc = jax.lax.fori_loop(0, steps, accumulate, jnp.zeros((tiles.rows, tiles.cols), jnp.float32))
-        mask = _row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc.shape)
+        mask = row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc.shape)
         pltriton.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
@@ -199,22 +140,8 @@ def _tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, lhs_
 
     @pl.when(in_use & (step == last_step))
     def _store():
-        mask = _row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc_ref.shape)
+        mask = row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc_ref.shape)
         out_ref[...] = jnp.where(mask, acc_ref[...], out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
-
-
-def output_zeros(anchor: jax.Array, shape: tuple[int, int], dtype) -> jax.Array:
-    """The zeros a kernel's output starts from (aliased into the call), made only once `anchor`
-    (the call's lhs) exists.
-
-    A plain `jnp.zeros` has no operands: XLA is free to compute it anywhere, and fuses the zeros of
-    many calls into one multi-output broadcast, after which every call's output buffer is live at
-    once. In a LoRA train step (H200x8, 4 layers, 1 x 4,096 tokens per GPU) that held twelve
-    float32 and twelve bfloat16 [98,304, 2,048] buffers and more: about 20 of the step's 24.4 GB
-    of temporaries. A zero drawn through an optimization barrier with the lhs ties each buffer to
-    its own call."""
-    _, zero = jax.lax.optimization_barrier((anchor, jnp.zeros((), dtype)))
-    return jnp.broadcast_to(zero, shape)
 
 
 def _build_call(variant, interpret, *, shapes, max_tiles, tiles, out_dtype, compute_dtype, precision, fmt,
@@ -351,8 +278,6 @@ def _differentiable_forward(options, lhs, rhs, group_sizes, rhs_scales, active_g
 
 
 def _differentiable_backward(options: _Options, residuals, d_out):
-    from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
-
     lhs, rhs, group_sizes, rhs_scales, active_groups = residuals
     fmt = weight_format(rhs, rhs_scales, lhs.shape[1])
     compute_dtype = jnp.promote_types(d_out.dtype, lhs.dtype if fmt.bits else rhs.dtype)

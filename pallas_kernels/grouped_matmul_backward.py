@@ -24,16 +24,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
-from pallas_kernels.grouped_matmul import (
+from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
+from pallas_kernels.grouped_matmul_tiles import (
     Tiles,
     WeightFormat,
-    _row_mask,
-    _scale_row,
     default_precision,
     fit_tile,
     output_zeros,
+    row_mask,
+    scale_row,
 )
-from pallas_kernels.grouped_matmul_schedule import WorkTiles, work_tiles
 from pallas_kernels.platforms import Variant, per_platform
 from pallas_kernels.quantized_weights import unpack_int4_halves
 
@@ -53,7 +53,7 @@ def _dx_pieces(d_out, rhs, scales, col, fmt: WeightFormat, compute_dtype, precis
                                            precision=precision, preferred_element_type=jnp.float32)
     if fmt.bits is None:
         return (dot(d_out, rhs),)
-    scaled = lambda index: d_out.astype(jnp.float32) * _scale_row(scales, index)
+    scaled = lambda index: d_out.astype(jnp.float32) * scale_row(scales, index)
     if fmt.bits == 8:
         return (dot(scaled(0), rhs),)
     low, high = unpack_int4_halves(rhs)
@@ -85,7 +85,7 @@ def _dx_gpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, d
         steps = d_out_ref.shape[1] // tiles.depth
         accs = jax.lax.fori_loop(0, steps, accumulate,
                                  tuple(jnp.zeros((tiles.rows, width), jnp.float32) for _ in range(pieces)))
-        mask = _row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, accs[0].shape)
+        mask = row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, accs[0].shape)
         for index, acc in enumerate(accs):
             cols = pl.ds(pl.multiple_of(col * tiles.cols + index * width, width), width)
             pltriton.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mask)
@@ -120,7 +120,7 @@ def _dx_tpu_kernel(groups_ref, row_tiles_ref, starts_ref, ends_ref, count_ref, d
 
     @pl.when(in_use & (step == last_step))
     def _store():
-        mask = _row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc_ref.shape)
+        mask = row_mask(starts_ref[work], ends_ref[work], row_tile, tiles.rows, acc_ref.shape)
         out_ref[...] = jnp.where(mask, acc_ref[...], out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
 
 
@@ -248,7 +248,7 @@ def _dw_gpu_kernel(starts_ref, ends_ref, lhs_ref, d_out_ref, out_ref, *, tiles, 
 
     def accumulate(row_tile, acc):
         rows = pl.ds(pl.multiple_of(row_tile * tiles.rows, tiles.rows), tiles.rows)
-        mine = _row_mask(start, end, row_tile, tiles.rows, (tiles.rows, 1))
+        mine = row_mask(start, end, row_tile, tiles.rows, (tiles.rows, 1))
         # Both operands masked: another group's rows may hold anything, even non-finite values.
         d_out = jnp.where(mine, d_out_ref[rows, cols].astype(jnp.float32), 0.0).astype(compute_dtype)
         lhs = jnp.where(mine, lhs_ref[rows, depth].astype(jnp.float32), 0.0).astype(compute_dtype)

@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.grouped_matmul import WeightFormat, fit_tile, grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
+from pallas_kernels.grouped_matmul_tiles import WeightFormat, fit_tile
 from pallas_kernels.platforms import GroupedKernel, grouped_matmul_kernel, platform_name
 
 
@@ -69,8 +71,6 @@ def _shipped_forward(kernel, out_dtype, interpret, transpose_rhs, lhs, rhs, grou
 
 
 def _shipped_backward(kernel, out_dtype, interpret, transpose_rhs, residuals, d_out):
-    from pallas_kernels.grouped_matmul_backward import grouped_matmul_dx, weight_gradient
-
     lhs, rhs, group_sizes = residuals
     variant = "tpu" if kernel == "megablox" else "gpu"
     if kernel == "megablox":  # d lhs [rows, depth] = d_out [rows, cols] @ W[g] [cols, depth], either layout in place

@@ -30,7 +30,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clover_jax.training.recipe import BASE_DIR, CONVERSION, Recipe, conversion_flags, write_task_data  # noqa: E402
+from clover_jax.training.tiny.recipe import BASE_DIR, CONVERSION, Recipe, conversion_flags, write_task_data  # noqa: E402
 
 BAR = {"diffusion_exact": 0.95, "tokens_per_forward": 5.0, "autoregressive_exact": 0.95}
 
@@ -39,7 +39,7 @@ def score(checkpoint: str, prompts: int, modes: tuple[str, ...]) -> dict:
     from tokenizers import Tokenizer
 
     from clover_jax import CloverModel
-    from clover_jax.training.evaluation import evaluate
+    from clover_jax.training.tiny.scoring import score_exact_match
 
     model = CloverModel.from_pretrained(checkpoint, progress=False, chunk_size=64)
     tokenizer = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
@@ -47,7 +47,7 @@ def score(checkpoint: str, prompts: int, modes: tuple[str, ...]) -> dict:
     problems = task.held_out(prompts)
     results = {}
     for mode in modes:
-        result = evaluate(model, tokenizer, task, problems, mode=mode)
+        result = score_exact_match(model, tokenizer, task, problems, mode=mode)
         results[mode] = {key: result[key] for key in ("answer_match", "full_match", "tokens_per_forward", "seconds")}
     return results
 

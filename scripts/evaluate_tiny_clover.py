@@ -25,7 +25,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clover_jax.training.recipe import BUNDLED_DIR, Recipe  # noqa: E402
+from clover_jax.training.tiny.recipe import BUNDLED_DIR, Recipe  # noqa: E402
 
 START, END = "<!-- eval-table:start -->", "<!-- eval-table:end -->"
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from tokenizers import Tokenizer
 
     from clover_jax import CloverModel
-    from clover_jax.training.evaluation import evaluate
+    from clover_jax.training.tiny.scoring import score_exact_match
     from decoding import GenerationConfig, generate
 
     # Prompts are a few dozen tokens: a 64-token prefill chunk keeps generate's memory estimate
@@ -103,9 +103,10 @@ def main(argv=None) -> int:
     report = {"checkpoint": os.path.abspath(args.checkpoint), "thinking": thinking,
               "generation_config": {"block_size": shipped.block_size, "threshold": shipped.threshold,
                                     "max_new_tokens": shipped.max_new_tokens},
-              "shipped": evaluate(model, tokenizer, task, problems, thinking),
-              "autoregressive": evaluate(model, tokenizer, task, problems, thinking, mode="autoregressive"),
-              "self_speculative": evaluate(model, tokenizer, task, problems, thinking, mode="self_speculative")}
+              "shipped": score_exact_match(model, tokenizer, task, problems, thinking),
+              "autoregressive": score_exact_match(model, tokenizer, task, problems, thinking, mode="autoregressive"),
+              "self_speculative": score_exact_match(model, tokenizer, task, problems, thinking,
+                                                    mode="self_speculative")}
     prompts = [task.encode(tokenizer, problem, thinking).prompt for problem in problems]
     autoregressive = generate(model, prompts, mode="autoregressive").sequences
     report["self_speculative"].update(self_speculative_rounds(model, prompts, autoregressive))
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
         report["grid"] = []
         for size in args.block_sizes:
             for threshold in args.thresholds:
-                result = evaluate(model, tokenizer, task, problems, thinking, block_size=size, threshold=threshold)
+                result = score_exact_match(model, tokenizer, task, problems, thinking, block_size=size,
+                                           threshold=threshold)
                 result.pop("failures")
                 report["grid"].append({"block_size": size, "threshold": threshold, **result})
                 print(f"B={size} threshold={threshold}: answer match {result['answer_match']:.3f}, "

@@ -4,7 +4,7 @@
     python scripts/train_tiny_clover.py --base     # the autoregressive base -> clover_jax/bundled/tiny-qwen-base/
     python scripts/train_tiny_clover.py --out /tmp/tiny --steps 200 --checkpoint-dir /tmp/tiny-ckpt
 
-The recipes (model size, data, block sizes, decoding controls) are `clover_jax.training.recipe`;
+The recipes (model size, data, block sizes, decoding controls) are `clover_jax.training.tiny.recipe`;
 the flags here only override the run's length, seeds and destination. Orbax checkpoints of the
 train state go to --checkpoint-dir (a rerun resumes from the latest). Prints the training
 summary (seconds, final metrics) as JSON.
@@ -22,7 +22,14 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clover_jax.training.recipe import BASE_DIR, BASE_RECIPE, BUNDLED_DIR, Recipe, train_tiny_base, train_tiny_clover  # noqa: E402
+from clover_jax.training.tiny.recipe import (  # noqa: E402
+    BASE_DIR,
+    BASE_RECIPE,
+    BUNDLED_DIR,
+    Recipe,
+    train_tiny_base,
+    train_tiny_clover,
+)
 
 
 def main(argv=None) -> int:

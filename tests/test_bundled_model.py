@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from clover_jax.training.chat_format import CHAT_TEMPLATE
-from clover_jax.training.recipe import BUNDLED_DIR, Recipe
+from clover_jax.training.tiny.chat_format import CHAT_TEMPLATE
+from clover_jax.training.tiny.recipe import BUNDLED_DIR, Recipe
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -48,11 +48,11 @@ def test_quality_gate_on_200_held_out_prompts(bundled):
     answers and >= 5 response tokens per forward pass on average."""
     from tokenizers import Tokenizer
 
-    from clover_jax.training.evaluation import evaluate
+    from clover_jax.training.tiny.scoring import score_exact_match
 
     tokenizer = Tokenizer.from_file(os.path.join(BUNDLED_DIR, "tokenizer.json"))
     task = Recipe().task
-    result = evaluate(bundled, tokenizer, task, task.held_out(200))
+    result = score_exact_match(bundled, tokenizer, task, task.held_out(200))
     print(json.dumps(result, indent=2))
     assert result["answer_match"] >= 0.95, result["failures"]
     assert result["tokens_per_forward"] >= 5.0
@@ -63,11 +63,11 @@ def test_autoregressive_quality_gate_on_200_held_out_prompts(bundled):
     next-token loss as well as block diffusion): >= 95% exact answers, one token per forward."""
     from tokenizers import Tokenizer
 
-    from clover_jax.training.evaluation import evaluate
+    from clover_jax.training.tiny.scoring import score_exact_match
 
     tokenizer = Tokenizer.from_file(os.path.join(BUNDLED_DIR, "tokenizer.json"))
     task = Recipe().task
-    result = evaluate(bundled, tokenizer, task, task.held_out(200), mode="autoregressive")
+    result = score_exact_match(bundled, tokenizer, task, task.held_out(200), mode="autoregressive")
     print(json.dumps(result, indent=2))
     assert result["answer_match"] >= 0.95, result["failures"]
     assert result["tokens_per_forward"] == 1.0
@@ -81,13 +81,13 @@ def test_quantised_bundled_model_keeps_its_accuracy(bundled, quantize, min_match
     from tokenizers import Tokenizer
 
     from clover_jax import CloverModel
-    from clover_jax.training.evaluation import evaluate
+    from clover_jax.training.tiny.scoring import score_exact_match
 
     quantized = CloverModel.from_pretrained(BUNDLED_DIR, progress=False, chunk_size=64, quantize=quantize)
     tokenizer = Tokenizer.from_file(os.path.join(BUNDLED_DIR, "tokenizer.json"))
     task = Recipe().task
     problems = task.held_out(200)
-    result = evaluate(quantized, tokenizer, task, problems)
+    result = score_exact_match(quantized, tokenizer, task, problems)
     print(quantize, json.dumps({k: v for k, v in result.items() if k != "failures"}))
     assert result["answer_match"] >= min_match, result["failures"]
     # Logits on one prompt stay close to the float model's (documented in docs/tiny_model.md).

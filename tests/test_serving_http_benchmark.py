@@ -41,7 +41,7 @@ def test_http_closed_loop_answers_every_request_with_generate_alone_text():
 def test_word_tokenizer_names_every_token_and_skips_the_special_ones(tmp_path):
     from benchmarks.serving_http import write_word_tokenizer
     from clover_jax.api.serving.text import IncrementalDecoder
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
 
     write_word_tokenizer(str(tmp_path), 1000, special=[1, 999])
     tokenizer = Tokenizer.from_pretrained(str(tmp_path))

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from typing import Any
@@ -46,11 +44,13 @@ from tqdm.auto import tqdm
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
 from clover_jax.core.quantization import QuantizedWeight, QuantSpec, quantized_shardings
+from clover_jax.core.tree_paths import Path, get
 from weights.checkpoint_files import FLOAT_DTYPES, CheckpointError
 from weights.finite_check import require_finite_array
 from weights.loader import LoadReport, ShardingFor, load_params, quant_spec_for
 from weights.orbax_layout import MANIFEST, PARAMS_DIR, is_orbax_checkpoint
 from weights.staging import contains, make_staging, remove_stale_staging
+from weights.write_errors import write_error_number
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ SAVE_STAGING_GB = 1
 # the second copy made when the read bytes become device buffers) is bounded by one group.
 RESTORE_BATCH_BYTES = 256 << 20
 
-Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,23 +174,6 @@ def _remove_tree(path: str, attempts: int = 5) -> None:
             return
         time.sleep(0.1 * (attempt + 1))
     logger.warning("could not remove %s after a failed conversion; remove it by hand", path)
-
-
-def write_error_number(error: BaseException | None) -> int | None:
-    """The OS error number of a failed write: an OSError's, or the one TensorStore (under Orbax)
-    carries in its ValueError's text (`os_error_code='27'`), on the error or an error it was raised
-    from (Orbax re-raises its writer threads' errors); None for any other error."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError):
-            return error.errno or errno.EIO
-        code = re.search(r"os_error_code='?(\d+)", str(error))
-        if code:
-            return int(code.group(1))
-        # the error it was raised from; the one being handled only when not suppressed (`from None`)
-        error = error.__cause__ if error.__cause__ is not None or error.__suppress_context__ else error.__context__
-    return None
 
 
 @contextlib.contextmanager
@@ -490,7 +472,7 @@ def _restore(directory: str, batch: dict[Path, jax.ShapeDtypeStruct]) -> dict[Pa
     except Exception as error:
         raise CheckpointError(f"cannot read the parameters in {directory!r}/{PARAMS_DIR} "
                               f"({type(error).__name__}: {error}); reconvert the checkpoint") from error
-    arrays = {path: _get_path(restored, path) for path in batch}
+    arrays = {path: get(restored, path) for path in batch}
     jax.block_until_ready(list(arrays.values()))
     return arrays
 
@@ -502,12 +484,6 @@ def _nbytes(array) -> int:
 def _checkpointer() -> ocp.Checkpointer:
     handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=SAVE_STAGING_GB, use_compression=False)
     return ocp.Checkpointer(handler)
-
-
-def _get_path(tree: dict, path: Path):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def _set_path(tree: dict, path: Path, value) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
+from clover_jax.core.tree_paths import get, key_names
 from weights.name_table import SQUEEZE_CHANNEL, expected_placements
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def checkpoint_tensors(params: dict, config: CloverConfig, dtype: Any = None) ->
     clover = config.model_type == "clover_moe"
     for name, placement in expected_placements(config).items():
         if placement.path not in host:
-            host[placement.path] = np.asarray(jax.device_get(_get_path(params, placement.path)))
+            host[placement.path] = np.asarray(jax.device_get(get(params, placement.path)))
         tensor = host[placement.path][placement.index]
         if placement.default is not None and not clover:  # a Clover block-mode tensor in a base Qwen config
             if np.any(tensor != np.asarray(placement.default, tensor.dtype)):
@@ -159,20 +160,13 @@ def _write_text(path: str, text: str) -> None:
 def _check_params(params: dict, config: CloverConfig) -> None:
     """The pytree must hold exactly the parameters of `config`, with their shapes."""
     expected = flat_layout(config)
-    found = {tuple(getattr(k, "key", k) for k in path): tuple(leaf.shape)
-             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    found = {key_names(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     problems = [f"missing {'/'.join(p)}" for p in expected if p not in found]
     problems += [f"unexpected {'/'.join(p)}" for p in found if p not in expected]
     problems += [f"{'/'.join(p)} has shape {found[p]}, expected {shape} from the config"
                  for p, shape in expected.items() if p in found and found[p] != shape]
     if problems:
         raise ValueError("params do not fit the config: " + "; ".join(problems))
-
-
-def _get_path(tree: dict, path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def _dominant_dtype(tensors: dict[str, np.ndarray]) -> str:

@@ -61,8 +61,8 @@ class CloverLM(LM):
                  max_batch_size: int | None = None, device: str | None = None, enable_thinking: bool | None = None,
                  think_end_token: str | None = None, seed: int = 0, **options: Any):
         super().__init__()
-        from clover_jax import CloverModel
-        from clover_jax.api.tokenization import Tokenizer
+        from clover_jax.model.clover_model import CloverModel
+        from clover_jax.text.tokenizer import Tokenizer
 
         if not pretrained:
             raise ValueError("clover-jax needs model_args='pretrained=PATH' (a checkpoint directory)")

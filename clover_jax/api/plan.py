@@ -1,33 +1,38 @@
-"""`clover_jax.plan`: which weight format and mesh fit a target — by arithmetic, and on request by
-the target's own compiler (docs/compiling.md).
+"""`clover_jax.plan`: will a model's decoding (or a fine-tuning run) fit a target — by arithmetic, and
+on request by the target's own compiler (docs/compiling.md).
 
     plan = clover_jax.plan("Diffuspace/Clover-35B-A3B-Preview", "v6e-1", context_length=32768, compile=True)
     plan.recommendation            # the first Option that fits (by the compiler when it ran), or None
     option.compiled["diffusion"]   # ProgramMemory: argument / temp / output / alias bytes per device
 
+`plan` reads the model's config and hands the rest to the task's planner: `plan_decoding` (below)
+or, with `task="train"`, `clover_jax.api.train_plan.plan_training`; each takes its own options.
+
 With `compile=True`, each format whose weights alone fit the device is compiled for the target —
 the block-diffusion, autoregressive and self-speculative loops at the plan's context and batch,
-with abstract parameters (`clover_jax.api.aot`, in a subprocess) — and `fits` is the compiler's
-verdict: every loop compiled, and its bytes (arguments + temporaries + outputs not aliased) within
-`HEADROOM` of the device. A format the compiler refuses keeps its error and is never recommended.
-Formats whose weights alone exceed the device are not compiled.
+with abstract parameters (`clover_jax.api.compile`, in a subprocess) — and `fits` is the compiler's
+verdict: every loop compiled, and each within `HEADROOM` of the device (`ProgramMemory.fits`). A
+format the compiler refuses keeps its error and is never recommended. Formats whose weights alone
+exceed the device are not compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
-from clover_jax.api.aot import MODES, CompileJob, ProgramMemory, compile_in_subprocess
+from clover_jax.api.compile.decode_loops import CompileJob
+from clover_jax.api.compile.program_memory import ProgramMemory
+from clover_jax.api.compile.worker import compile_in_subprocess
+from clover_jax.api.train_plan import plan_training
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.hub import resolve_checkpoint
-from clover_jax.parallel.planner import GIB, HEADROOM, Option, Plan, decide, estimate, resolve_target
+from clover_jax.parallel.planner import GIB, Option, Plan, decide, estimate, resolve_target
 from clover_jax.parallel.targets import Target
-
-if TYPE_CHECKING:
-    from clover_jax.training.config import FinetuneConfig
+from decoding.modes import MODES
 
 logger = logging.getLogger(__name__)
 
@@ -35,42 +40,41 @@ TASKS = ("decode", "train")
 
 
 def plan(path_or_config: "str | os.PathLike | CloverConfig", target: "str | Target | Sequence | None" = None, *,
-         context_length: int = 32768, batch: int = 1, compile: bool = False, block_size: int = 32,
-         chunk_size: int = 2048, revision: str | None = None, modes: Sequence[str] = MODES,
-         formats: Sequence[str] | None = None, task: str = "decode", config: "FinetuneConfig | None" = None,
-         seq_lens: Sequence[int] | None = None, remat_choices: Sequence[str] | None = None) -> Plan:
-    """Bytes per device of every weight format on the mesh `target` allows, and the best that fits.
+         task: str = "decode", compile: bool = False, revision: str | None = None, **options: Any) -> Plan:
+    """Bytes per device of a model's decoding (`task="decode"`: every weight format on the mesh
+    `target` allows) or of one fine-tuning run (`task="train"`), and the best that fits.
 
     path_or_config: a checkpoint directory, a Hub id (only its config.json is read) or a
         `CloverConfig`;
     target: a name ("v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v5p-64", "H100", "H200",
         "H200x8"), a list of jax devices or of device-kind names ("TPU v6e"), or None (this
         process's devices);
-    compile: compile the decoding loops (`modes`) for the target with each format whose weights
-        fit and let the compiler decide `fits` (needs a named target and the compilers:
-        `python -m clover_jax.parallel.compilers install`; minutes per format at full size);
-    formats: compile only these formats (as `Option.weights` names them, e.g. ["bfloat16",
-        "int4 experts (g128)"]); the others keep the arithmetic's verdict and `compiled` None.
-    task: "decode" (the above), or "train": one fine-tuning run, `config` (a `FinetuneConfig`:
-        method, LoRA rank and targets, quantize, batch_size, seq_len, ...), on the planner's mesh;
-        with `compile`, its real train step is compiled for the target (`Option.compiled["train_step"]`)
-        with the first of `remat_choices` that fits, and `Option.max_seq_len` is the longest of
-        `seq_lens` whose step fits (`clover_jax.api.train_plan`); block_size is the run's.
+    compile: let the target's compiler decide what fits (needs a named target and the compilers:
+        `python -m clover_jax.parallel.compilers install`; minutes per program at full size);
+    options: the task's — `plan_decoding`'s (context_length, batch, block_size, chunk_size, modes,
+        formats) or `plan_training`'s (config, block_size, seq_lens, remat_choices).
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not one of {TASKS}")
+    planner = plan_training if task == "train" else plan_decoding
+    accepted = [name for name, parameter in inspect.signature(planner).parameters.items()
+                if parameter.kind == parameter.KEYWORD_ONLY and name != "compile"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(f"plan(task={task!r}) takes no {', '.join(unknown)}: its options are {', '.join(accepted)}")
     model_config = (path_or_config if isinstance(path_or_config, CloverConfig) else
                     CloverConfig.from_pretrained(resolve_checkpoint(path_or_config, revision,
                                                                     require=("config.json",))))
-    if task == "train":
-        from clover_jax.api.train_plan import SEQ_LENS, train_plan
-        from clover_jax.training.config import FinetuneConfig
+    return planner(model_config, target, compile=compile, **options)
 
-        return train_plan(model_config, target, config or FinetuneConfig(), compile=compile, block_size=block_size,
-                          seq_lens=SEQ_LENS if seq_lens is None else seq_lens, remat_choices=remat_choices)
-    if config is not None:
-        raise ValueError("config (a FinetuneConfig) is for task='train'")
-    config = model_config
+
+def plan_decoding(config: CloverConfig, target: "str | Target | Sequence | None" = None, *, compile: bool = False,
+                  context_length: int = 32768, batch: int = 1, block_size: int = 32, chunk_size: int = 2048,
+                  modes: Sequence[str] = MODES, formats: Sequence[str] | None = None) -> Plan:
+    """The decoding plan of `config` on `target`: every weight format by arithmetic, and with
+    `compile` the decoding loops (`modes`) of each format whose weights fit, compiled at
+    `context_length` and `batch`. formats: compile only these (as `Option.weights` names them, e.g.
+    ["bfloat16", "int4 experts (g128)"]); the others keep the arithmetic's verdict and `compiled` None."""
     arithmetic = estimate(config, target, context_length, batch, block_size, chunk_size)
     if not compile:
         return arithmetic
@@ -101,6 +105,5 @@ def compiled_option(option: Option, compiled: dict | None, modes: Sequence[str])
         too_big = ProgramMemory(error=f"not compiled: the weights alone, {option.weight_bytes / GIB:.1f} GiB per "
                                       f"device, exceed the device's {option.device_bytes / GIB:.1f} GiB")
         return dataclasses.replace(option, fits=False, compiled={mode: too_big for mode in modes})
-    fits = all(memory.error is None and memory.total_bytes <= HEADROOM * option.device_bytes
-               for memory in compiled.values())
+    fits = all(memory.fits(option.device_bytes) for memory in compiled.values())
     return dataclasses.replace(option, fits=fits, compiled=compiled)

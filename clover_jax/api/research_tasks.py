@@ -1,5 +1,5 @@
 """The tasks a schedule sweep runs that need the application: the bundled model's digit sorting
-(`clover_jax.training.task.SortDigits`) and tasks named by a string, whose tokenizer is loaded
+(`clover_jax.training.tiny.sort_digits.SortDigits`) and tasks named by a string, whose tokenizer is loaded
 from the model's checkpoint. `sweep` is `decoding.research.sweep` with `task="sort"` or a
 `.jsonl` path accepted.
 
@@ -19,11 +19,11 @@ from decoding.research import SweepRecord, Task, jsonl_task
 
 def sort_task(tokenizer, count: int = 64, min_digits: int = 4, max_digits: int = 8,
               seed: int | None = None) -> Task:
-    """The bundled model's task (`clover_jax.training.task.SortDigits`): `count` held-out lists of
+    """The bundled model's task (`clover_jax.training.tiny.sort_digits.SortDigits`): `count` held-out lists of
     `min_digits`..`max_digits` digits, chat-formatted with thinking on; right when the answer after
     `</think>` is the sorted digits and the response ends with <|im_end|>. Lists longer than the
     training range (8) make the task harder."""
-    from clover_jax.training.task import SortDigits
+    from clover_jax.training.tiny.sort_digits import SortDigits
 
     task = SortDigits(min_digits, max_digits) if seed is None else SortDigits(min_digits, max_digits, seed)
     problems = task.held_out(count)
@@ -42,7 +42,7 @@ def load_task(model, task: "Task | str | os.PathLike", tokenizer=None) -> Task:
     if isinstance(task, Task):
         return task
     if tokenizer is None:
-        from clover_jax.api.tokenization import Tokenizer
+        from clover_jax.text.tokenizer import Tokenizer
 
         path = getattr(model, "path", None)
         if path is None:

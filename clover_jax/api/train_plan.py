@@ -1,4 +1,4 @@
-"""`clover_jax.plan(..., task="train")`: will a fine-tuning run fit a target — by arithmetic, and on
+"""`clover_jax.plan(..., task="train")` (`plan_training`): will a fine-tuning run fit a target — by arithmetic, and on
 request by the target's own compiler compiling the real train step (docs/compiling.md, docs/training.md).
 
     plan = clover_jax.plan(model, "v6e-1", task="train", compile=True,
@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from clover_jax.api.aot import ProgramMemory, compile_in_subprocess
-from clover_jax.api.train_aot import TRAIN_PROGRAM, TrainCompileJob
+from clover_jax.adapters import lora
+from clover_jax.api.compile.program_memory import ProgramMemory
+from clover_jax.api.compile.train_step import TRAIN_PROGRAM, TrainCompileJob
+from clover_jax.api.compile.worker import compile_in_subprocess
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.param_layout import flat_layout
 from clover_jax.core.quantization import QuantSpec
@@ -97,22 +99,40 @@ def describe_run(finetune: FinetuneConfig) -> str:
     return f"{'q' if finetune.quantize else ''}lora r{finetune.lora_rank}{experts} {base}{where}"
 
 
-def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compile: bool = False, block_size: int = 32,
-               seq_lens: Sequence[int] = SEQ_LENS, remat_choices: Sequence[str] | None = None) -> Plan:
-    """The plan of one fine-tuning run on `target`: one option (the run on the planner's mesh),
-    with the compiler's verdict when `compile` (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class TrainOption(Option):
+    """A fine-tuning run on one mesh: an `Option` with the plan's choices for the step — its remat
+    (`FinetuneConfig.remat`), whether its base's layers are in host memory, and the longest
+    sequence the compiler fitted (of those tried)."""
+
+    remat: str = "none"
+    max_seq_len: int | None = None
+    offload_base: bool = False
+
+    def notes(self) -> str:
+        return f"  remat {self.remat}" + ("" if self.max_seq_len is None else
+                                          f", fits up to {self.max_seq_len} tokens")
+
+
+def plan_training(model_config: CloverConfig, target=None, *, config: FinetuneConfig | None = None,
+                  compile: bool = False, block_size: int = 32, seq_lens: Sequence[int] = SEQ_LENS,
+                  remat_choices: Sequence[str] | None = None) -> Plan:
+    """The plan of one fine-tuning run, `config` (`FinetuneConfig()` when None), of `model_config`
+    on `target`: one option (the run on the planner's mesh), with the compiler's verdict when
+    `compile` (see the module docstring); block_size: the run's."""
+    finetune = config or FinetuneConfig()
     named, chips, device_bytes, where = resolve_target(target)
-    meshes = train_meshes(config, chips, finetune)
+    meshes = train_meshes(model_config, chips, finetune)
     if math.prod(meshes[0].values()) != chips:
         raise ValueError(f"mesh {finetune.mesh} has {math.prod(meshes[0].values())} devices, but {where} has {chips}")
-    options = [_option(config, finetune, mesh, device_bytes) for mesh in meshes]
+    options = [_option(model_config, finetune, mesh, device_bytes) for mesh in meshes]
     if not compile:
         return _decide(options[0], where, finetune)
     if named is None:
         raise ValueError("compile=True needs a named target (e.g. 'v6e-1', 'H200'); a device list has no compiler")
     tried = []
     for option in options:
-        tried.append(_compiled(option, config, named.name, finetune, block_size, seq_lens, remat_choices))
+        tried.append(_compiled(option, model_config, named.name, finetune, block_size, seq_lens, remat_choices))
         if tried[-1].fits:
             break
     if not tried[-1].fits and finetune.method == "lora" and not finetune.offload_base:
@@ -120,22 +140,22 @@ def train_plan(config: CloverConfig, target, finetune: FinetuneConfig, *, compil
         offloaded = dataclasses.replace(finetune, offload_base=True, remat=OFFLOADED_REMAT_CHOICES[0])
         logger.info("no mesh fits the base on the chips: trying its layers in host memory")
         for option in meshes:
-            tried.append(_compiled(_option(config, offloaded, option, device_bytes), config, named.name, offloaded,
-                                   block_size, seq_lens, OFFLOADED_REMAT_CHOICES))
+            tried.append(_compiled(_option(model_config, offloaded, option, device_bytes), model_config, named.name,
+                                   offloaded, block_size, seq_lens, OFFLOADED_REMAT_CHOICES))
             if tried[-1].fits:
                 break
     return _decide(min(tried, key=_compiled_bytes), where, finetune)
 
 
-def _option(config: CloverConfig, finetune: FinetuneConfig, mesh: dict, device_bytes: int) -> Option:
+def _option(config: CloverConfig, finetune: FinetuneConfig, mesh: dict, device_bytes: int) -> TrainOption:
     """The run on `mesh`, by arithmetic (parameters, gradients and optimizer state per chip)."""
     rules = inference_rules(mesh)
     mesh_sharding = MeshSharding(AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES), config, rules)
     weights, state = _arithmetic(config, finetune, mesh_sharding, mesh)
     quantize = None if finetune.quantize is None else QuantSpec.parse(finetune.quantize).fitted(flat_layout(config))
-    return Option(describe_run(finetune), dict(mesh), weights, state, device_bytes,
-                  weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat,
-                  offload_base=finetune.offload_base)
+    return TrainOption(describe_run(finetune), dict(mesh), weights, state, device_bytes,
+                       weights + state <= HEADROOM * device_bytes, quantize, rules, remat=finetune.remat,
+                       offload_base=finetune.offload_base)
 
 
 def _compiled_bytes(option: Option) -> tuple[bool, float]:
@@ -164,8 +184,6 @@ def _arithmetic(config: CloverConfig, finetune: FinetuneConfig, mesh_sharding: M
 
 def _lora_parameters(config: CloverConfig, finetune: FinetuneConfig) -> int:
     """Adapter parameters of the run (the block-mode tensors and mask rows are a rounding error)."""
-    from clover_jax.training import lora
-
     layout = flat_layout(config)
     total = 0
     for path in lora.adapted_paths(config, finetune.lora_targets):
@@ -190,7 +208,7 @@ def _compiled(option: Option, config: CloverConfig, target_name: str, finetune: 
                     target_name)
         return compile_in_subprocess([job])[0][TRAIN_PROGRAM]
 
-    fits = lambda memory: memory.error is None and memory.total_bytes <= HEADROOM * option.device_bytes
+    fits = lambda memory: memory.fits(option.device_bytes)
     memory, remat = None, remat_choices[0]
     for remat in remat_choices:
         memory = compile_at(remat, finetune.seq_len)

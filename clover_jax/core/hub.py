@@ -29,7 +29,7 @@ from clover_jax.core.json_fields import read_json_object
 logger = logging.getLogger(__name__)
 
 # Everything clover-jax reads besides the weights: the model and generation configs, and what
-# `clover_jax.api.tokenization.Tokenizer` reads (special_tokens_map.json only for legacy tokenizers).
+# `clover_jax.text.tokenizer.Tokenizer` reads (special_tokens_map.json only for legacy tokenizers).
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "additional_chat_templates/*.jinja")
 INDEX_FILE = "model.safetensors.index.json"

@@ -38,9 +38,9 @@ from typing import Callable
 
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.state import slot_name
+from clover_jax.core.tree_paths import Path
 
 Shape = tuple[int, ...]
-Path = tuple[str, ...]
 
 # Where a row lives: at the top of the tree, in every layer, or in layers of one `config.layer_types` kind.
 TOP, EVERY_LAYER, LINEAR_ATTENTION, FULL_ATTENTION = "top", "every_layer", "linear_attention", "full_attention"

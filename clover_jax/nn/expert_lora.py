@@ -45,7 +45,7 @@ class ExpertAdapters(NamedTuple):
     down_a [experts, r, intermediate], down_b [experts, r, hidden].
 
     B holds its rank axis before its output axis (the transpose of a trained B's [out, r],
-    `clover_jax.training.lora.attach`): a TPU lays a float32 array out in tiles of 8 x 128 over its
+    `clover_jax.adapters.lora.attach`): a TPU lays a float32 array out in tiles of 8 x 128 over its
     last two axes, so a last axis of rank 16 takes 128 lanes, 8 times its bytes, and the layer
     scan's backward stacks every layer's gradient of B before the optimizer reads it. The grouped
     matmul reads B as it is (`transpose_rhs=False`): the compiler lays arrays out to suit the

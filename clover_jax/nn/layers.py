@@ -53,7 +53,7 @@ def _table_path(module: nn.Module) -> tuple[bool, tuple[str, ...]]:
 def low_rank_update(module: nn.Module, name: str, x: jax.Array) -> jax.Array | None:
     """The LoRA term `(x Aᵀ) Bᵀ` of parameter `name`, or None when the module holds no adapter for it.
 
-    A training pass with adapters (`clover_jax.training.lora`) places them beside the weight as
+    A training pass with adapters (`clover_jax.adapters.lora`) places them beside the weight as
     `{name}_lora_a`: float32 [rank, in] and `{name}_lora_b`: float32 [out, rank], the scale
     `alpha / rank` already folded into B. They are not rows of the parameter table: a model without
     them (every inference pass, a merged checkpoint) runs exactly as before. The update is computed

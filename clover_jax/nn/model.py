@@ -49,16 +49,11 @@ from clover_jax.nn.attention import GatedAttention
 from clover_jax.nn.gdn import GatedDeltaNet
 from clover_jax.nn.layers import RMSNorm, table_param
 from clover_jax.nn.moe import RouterStats, SparseMoE
+from clover_jax.nn.remat import LAYER_INPUT, REMAT
 from clover_jax.nn.run_layout import unstack_groups
 from clover_jax.parallel.sharding import MeshSharding, constrain_batch, constrain_paged_state, constrain_state
 
 LAYER_LOOPS = ("scan", "unrolled")
-# What a training pass's backward recomputes instead of keeping (docs/training.md, "Remat"): nothing;
-# each layer group from its input ("full"); each decoder layer from its input ("layer"); each
-# layer group, keeping the matmul outputs that have no batch dimension ("dots"); each decoder layer
-# from its input, kept in host memory rather than on the chips ("layer_offload").
-REMAT = ("none", "full", "layer", "dots", "layer_offload")
-LAYER_INPUT = "layer_input"  # each decoder layer's input, named for the "layer_offload" remat policy
 
 
 def layer_loop_for(platform: str) -> str:
@@ -162,7 +157,7 @@ class Embedding(nn.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         embedded = jnp.take(self.embedding, ids, axis=0)
         if self.has_variable("params", TRAINED_MASK_ROW):
-            # A LoRA run trains the mask token's row beside its frozen table (`clover_jax.training.lora`):
+            # A LoRA run trains the mask token's row beside its frozen table (`clover_jax.adapters.lora`):
             # put in here, the row's gradient is a sum over its positions, not a table-wide scatter.
             row = self.get_variable("params", TRAINED_MASK_ROW)
             embedded = jnp.where((ids == self.config.mask_token_id)[..., None], row.astype(embedded.dtype), embedded)

@@ -220,7 +220,7 @@ class SparseMoE(nn.Module):
 
     def expert_adapters(self) -> ExpertAdapters | None:
         """The routed experts' LoRA factors a LoRA training pass placed beside the stacks
-        (`{stack}_lora_a` / `{stack}_lora_b`, `clover_jax.training.lora`), or None when there are none."""
+        (`{stack}_lora_a` / `{stack}_lora_b`, `clover_jax.adapters.lora`), or None when there are none."""
         factors = {}
         for stack, short in (("experts_gate_up_proj", "gate_up"), ("experts_down_proj", "down")):
             for part in ("a", "b"):

@@ -52,8 +52,8 @@ HEADROOM = 0.9  # leave a tenth of each device to the runtime and fragmentation
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One weight format on one mesh. Bytes are per device. `compiled` is None unless the plan
-    compiled the decoding loops: then {"diffusion", "autoregressive", "self_speculative"} →
-    `clover_jax.api.aot.ProgramMemory` (the compiler's bytes, or its error), and `fits` follows it.
+    compiled its programs: then {program name, e.g. "diffusion"} → the compiler's bytes or its error
+    (`clover_jax.api.compile.program_memory.ProgramMemory`), and `fits` follows it.
     Load it with `CloverModel.from_pretrained(path, mesh=make_mesh(**option.mesh), rules=option.rules,
     quantize=option.quantize)`."""
 
@@ -66,14 +66,15 @@ class Option:
     quantize: QuantSpec | None = None  # what to pass as `CloverModel.from_pretrained(quantize=...)`
     rules: ShardingRules = ShardingRules()
     compiled: dict[str, Any] | None = None
-    remat: str | None = None          # a train step's (`FinetuneConfig.remat`), as the plan chose it
-    max_seq_len: int | None = None    # a train step's: the longest sequence the compiler fitted (of those tried)
-    offload_base: bool = False        # a LoRA train step's: its base's layers in host memory, as the plan chose
 
     @property
     def total_bytes(self) -> int:
         """The arithmetic estimate of one device's bytes."""
         return self.weight_bytes + self.state_bytes
+
+    def notes(self) -> str:
+        """What follows the option's row in a printed plan (a train step's choices, `TrainOption`)."""
+        return ""
 
     @property
     def compiled_bytes(self) -> int | None:
@@ -100,11 +101,7 @@ class Plan:
                     f"{option.state_bytes / GIB:>7.2f}GiB {option.total_bytes / GIB:>7.2f}GiB")
             if compiled:
                 line += f" {_compiled_cell(option):>10}"
-            line += f" {'yes' if option.fits else 'no':>5}"
-            if option.remat is not None:
-                line += f"  remat {option.remat}"
-            if option.max_seq_len is not None:
-                line += f", fits up to {option.max_seq_len} tokens"
+            line += f" {'yes' if option.fits else 'no':>5}" + option.notes()
             lines.append(line)
             errors: dict[str, list[str]] = {}
             for mode, memory in (option.compiled or {}).items():

@@ -6,7 +6,7 @@ program. `compile_only_devices(target)` returns devices that compile but never r
 deviceless ahead-of-time compilation, `jax.experimental.topologies`): TPU devices from the
 `libtpu` of the installed jax, GPU devices from the CUDA plugin with the description files in
 `gpu_targets/` (H100 and H200, sm_90). Making them loads those compilers into the process, so
-clover-jax does it only in its compile subprocess (`clover_jax.api.aot`).
+clover-jax does it only in its compile subprocess (`clover_jax.api.compile.worker`).
 
 Memory a program may use, per chip (`Target.usable_bytes`): TPU: the HBM the TPU runtime
 reports as available (v5e 16 GiB, v6e 31.25 GiB, v5p 95.74 GiB); GPU: the fraction of the

@@ -2,17 +2,25 @@
 
     from clover_jax.training import FinetuneConfig, finetune, block_diffusion_logits
 
-  * `trainer.py`      — `finetune`, the entry point: checks, data, the loop, checkpoints, the written model;
-  * `config.py`       — `FinetuneConfig`, every setting, checked when it is made;
-  * `block_pass.py`   — the one training pass (clean stream + noisy blocks) and its inspection form;
-  * `loss.py`, `masking.py`, `cross_entropy.py` — the objective, its noise, the chunked cross-entropy;
-  * `data.py`, `packing.py`, `dataset.py` — JSONL examples, packed rows, the batch order;
-  * `step.py`, `checkpointing.py`, `held_out.py` — the optimizer step, Orbax resumption, evaluation;
-  * `conversion.py`   — what a Qwen base becomes (mask token, generation config);
-  * `lora.py`         — LoRA: the adapted weights, the trainable part, attaching and merging;
-    `adapter_io.py` (our adapter layout, loading onto a base), `peft_export.py` (PEFT's layout);
-  * `task.py`, `chat_format.py`, `vocabulary.py`, `recipe.py`, `evaluation.py` — the bundled tiny
-    models' digit task, tokenizer and recipes, and exact-match scoring with `decoding.generate`.
+Layered as the data flows, each module importing only those above it in this list:
+
+  * `config.py`        — `FinetuneConfig`: every setting, checked when it is made, with its flag's help;
+  * `examples.py`, `example_cache.py` — JSONL lines read into tokenised examples (kept on disk);
+  * `packing.py`       — examples packed into rows of clean tokens;
+  * `batches.py`       — `TrainRows`, the normalisers and the next-token rule, the batch order;
+  * `masking.py`, `cross_entropy.py`, `train_sharding.py` — the noise, the chunked cross-entropy,
+    where every array of a step lives on the mesh;
+  * `block_pass.py`    — the one training pass (clean stream + noisy blocks) and its inspection form;
+  * `loss.py`          — the objective on that pass;
+  * `state.py`, `step.py` — the train state and optimizer; `StepProgram.of(config)` and the one jitted step;
+  * `faults.py`, `held_out.py`, `checkpointing.py` — the test seam for fault injection, evaluation on
+    held-out rows, Orbax resumption;
+  * `conversion.py`, `outputs.py` — what a Qwen base becomes; what a run writes;
+  * `loop.py`, `trainer.py` — the loop; `finetune`, which sets a run up and runs it;
+  * `abstract_step.py` — the step with abstract arguments, for compiling it for a target;
+  * `tiny/`            — the bundled tiny models' task, tokenizer, recipes and scoring.
+
+LoRA itself (the spec, attaching and merging, adapter files) is `clover_jax.adapters`.
 """
 
 import importlib

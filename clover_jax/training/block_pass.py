@@ -40,7 +40,7 @@ def training_module(module: CloverTransformer, remat: str | bool = "none", *,
                     offload_base: bool = False) -> CloverTransformer:
     """The module a training pass runs: differentiable experts, layer groups scanned over the
     canonical (stacked) parameters, so compile time does not grow with depth; `remat`
-    (`clover_jax.nn.model.REMAT`): what the backward pass recomputes instead of keeping;
+    (`clover_jax.nn.remat.REMAT`): what the backward pass recomputes instead of keeping;
     `offload_base`: the stacked layer parameters arrive in host memory and each layer copies its
     own to the chip (`FinetuneConfig.offload_base`; needs the module's mesh)."""
     to_device = None

@@ -13,9 +13,8 @@ A LoRA run's state holds only the trainable part; the frozen base is not saved. 
 (sha256 of every leaf's path, shape, dtype and float32 sum and sum of squares, quantised values and
 scales included) is saved beside the progress, and a resume over a different base is refused.
 
-`fault_point` lets the tests kill a run at an enumerated point: with the environment variable
-`CLOVER_JAX_KILL_AT=<point>:<step>`, the process sends itself SIGKILL when it reaches that point
-("step": a train step dispatched, its result not read yet; "save": a save started, not finished).
+A save reports the fault point "save" (`faults`) once it has started, before it is published: the
+point where the tests kill a run mid-save.
 """
 
 from __future__ import annotations
@@ -25,24 +24,17 @@ import errno
 import hashlib
 import logging
 import os
-import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.training.dataset import DataPosition
-from clover_jax.training.step import TrainState
+from clover_jax.training import faults
+from clover_jax.training.batches import DataPosition
+from clover_jax.training.state import TrainState
+from clover_jax.training.train_sharding import HOST_MEMORY
 
 logger = logging.getLogger(__name__)
-
-KILL_AT = "CLOVER_JAX_KILL_AT"
-
-
-def fault_point(point: str, step: int) -> None:
-    """SIGKILL this process when `CLOVER_JAX_KILL_AT` names this point and step (tests only)."""
-    if os.environ.get(KILL_AT) == f"{point}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fingerprint(params) -> str:
@@ -54,7 +46,7 @@ def fingerprint(params) -> str:
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         placed = getattr(leaf, "sharding", None)
         # an offloaded base (`offload_base`) is summed on the chips, one leaf at a time
-        if getattr(placed, "memory_kind", None) == "pinned_host":
+        if getattr(placed, "memory_kind", None) == HOST_MEMORY:
             leaf = jax.device_put(leaf, placed.with_memory_kind("device"))
         stats = np.asarray(sums(leaf), np.float64)
         digest.update(f"{jax.tree_util.keystr(path)}|{tuple(leaf.shape)}|{leaf.dtype}|{stats[0]!r}|{stats[1]!r}|"
@@ -89,7 +81,7 @@ class _OrbaxWriteErrors(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        from weights.orbax_checkpoint import write_error_number
+        from weights.write_errors import write_error_number
 
         error = record.exc_info[1] if record.exc_info else None
         number = write_error_number(error) if isinstance(error, Exception) else None
@@ -159,7 +151,7 @@ class Saver:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             progress=ocp.args.JsonSave(progress)), force=final)
             self._started = step
-        fault_point("save", step)
+        faults.reached("save", step)
 
     def close(self, *, failing: bool = False) -> None:
         """Wait for the last save and check that it was published. failing: the run is already ending
@@ -205,7 +197,7 @@ class Saver:
         try:
             yield
         except Exception as error:
-            from weights.orbax_checkpoint import write_error_number
+            from weights.write_errors import write_error_number
 
             number = write_error_number(error)
             if number is None:

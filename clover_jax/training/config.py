@@ -10,16 +10,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from clover_jax.adapters.targets import LORA_TARGETS
 from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
+from clover_jax.nn.remat import REMAT
 
 LOSS_WEIGHTINGS = ("uniform", "inverse_t")
 
 METHODS = ("full", "lora")
-LORA_TARGETS = ("attention", "gdn", "shared_expert", "routed_experts", "router")
 QUANTIZE = ("int8", "int4")
 PARAM_DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "layer", "dots", "layer_offload")  # as clover_jax.nn.model.REMAT (docs/training.md, "Remat")
 OFFLOAD_REMAT = ("layer", "full", "layer_offload")  # the remats that copy an offloaded layer again in the backward
+
+
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its command-line help and, for a closed set of values, its choices: `clover-jax
+    train` and `clover-jax plan --task train` make one flag of each field from these."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,46 +33,53 @@ class FinetuneConfig:
     """A fine-tuning (or conversion) run. Every field is a keyword; see docs/training.md."""
 
     # what is trained, and how long
-    method: str = "full"
-    steps: int = 1000
-    batch_size: int = 8                       # sequences (packed rows) per optimizer step
-    grad_accum_steps: int = 1                 # micro-batches per optimizer step (batch_size divides by it)
-    seq_len: int = 2048                       # clean tokens per row
-    block_size: int | tuple[int, ...] | None = None  # None: the checkpoint's generation config, else 32
-    block_size_weights: tuple[float, ...] | None = None  # with several block sizes: how often each is drawn
-    max_noisy_blocks: int | None = None       # None: every block with loss tokens; k: up to k per example
+    method: str = _setting("full", "full fine-tuning, or LoRA adapters over a frozen base", METHODS)
+    steps: int = _setting(1000, "optimizer steps")
+    batch_size: int = _setting(8, "sequences (packed rows) per optimizer step")
+    grad_accum_steps: int = _setting(1, "micro-batches per optimizer step (batch_size divides by it)")
+    seq_len: int = _setting(2048, "clean tokens per row")
+    block_size: int | tuple[int, ...] | None = _setting(
+        None, "block size(s) trained on; none: the checkpoint's generation config, else 32")
+    block_size_weights: tuple[float, ...] | None = _setting(
+        None, "with several block sizes: how often each is drawn")
+    max_noisy_blocks: int | None = _setting(None, "noisy blocks per example; none: every block with loss tokens")
     # the objective (docs/training.md, "The loss")
-    complementary: bool = True
-    loss_weighting: str | None = None         # None: "uniform" with the complement, "inverse_t" without
-    min_mask_ratio: float | None = None       # None: 0.02 with "inverse_t", 1e-3 otherwise
-    next_token_weight: float = 1.0
-    load_balance_weight: float = 1e-3
-    router_z_weight: float = 0.0
-    freeze_router: bool = False
+    complementary: bool = _setting(True, "a second noisy copy masks what the first left clean")
+    loss_weighting: str | None = _setting(
+        None, "the masked tokens' weights; none: uniform with the complement, inverse_t without", LOSS_WEIGHTINGS)
+    min_mask_ratio: float | None = _setting(None, "the least masking ratio; none: 0.02 with inverse_t, else 1e-3")
+    next_token_weight: float = _setting(1.0, "weight of the clean stream's next-token loss")
+    load_balance_weight: float = _setting(1e-3, "weight of the MoE load-balance loss")
+    router_z_weight: float = _setting(0.0, "weight of the router z-loss")
+    freeze_router: bool = _setting(False, "the router takes no update")
     # the optimizer: AdamW, linear warm-up then cosine decay to 10% of the peak, global-norm clipping
-    learning_rate: float = 2e-5
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    param_dtype: str | None = None            # None: the checkpoint's; updated through a float32 master copy
-    remat: str = "none"                       # what the backward recomputes: see REMAT (docs/training.md, "Remat")
-    offload_base: bool = False                # LoRA: the frozen base's layers in host memory, copied in per layer
+    learning_rate: float = _setting(2e-5, "AdamW's peak learning rate")
+    warmup_steps: int = _setting(100, "steps of linear warm-up before the cosine decay")
+    weight_decay: float = _setting(0.01, "AdamW's weight decay (matrices only)")
+    grad_clip: float = _setting(1.0, "the gradients' global-norm limit")
+    param_dtype: str | None = _setting(
+        None, "the compute dtype (a float32 master copy is updated); none: the checkpoint's", PARAM_DTYPES)
+    remat: str = _setting("none", "what the backward pass recomputes instead of keeping (docs/training.md, "
+                                  "\"Remat\")", REMAT)
+    offload_base: bool = _setting(False, "LoRA: the frozen base's layers in host memory, copied in per layer")
     # LoRA (method="lora"; docs/training.md, "LoRA and QLoRA") and scale
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = ("attention", "gdn", "shared_expert", "routed_experts")
-    quantize: str | None = None               # "int8" | "int4": the frozen base of a LoRA run (QLoRA)
-    mesh: Any = None                          # (data, expert, tensor) device counts, or "D,E,T"; None: one device
+    lora_rank: int = _setting(16, "LoRA: the adapters' rank")
+    lora_alpha: float = _setting(32.0, "LoRA: the scale alpha (an adapter adds alpha / rank · B A)")
+    lora_targets: tuple[str, ...] = _setting(("attention", "gdn", "shared_expert", "routed_experts"),
+                                             "LoRA: the weights that get adapters", LORA_TARGETS)
+    quantize: str | None = _setting(None, "LoRA: the frozen base quantised (QLoRA)", QUANTIZE)
+    mesh: Any = _setting(None, "(data, expert, tensor) device counts, or \"D,E,T\"; none: one device")
     # data
-    truncate: bool = False
-    split_turns: bool = False
+    truncate: bool = _setting(False, "cut examples longer than seq_len at a block boundary (else refused)")
+    split_turns: bool = _setting(False, "one example per assistant turn of a chat")
     # output and bookkeeping
-    generation_config: dict[str, Any] | None = None  # overrides for the written generation_config.json
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 500
-    eval_every: int | None = None             # None: evaluate once, at the end (with eval_data)
-    log_every: int = 10
+    generation_config: dict[str, Any] | None = _setting(
+        None, "overrides for the written generation_config.json")
+    seed: int = _setting(0, "the seed of the packing, the batch order and the noise")
+    checkpoint_dir: str | None = _setting(None, "where Orbax checkpoints are kept (and a rerun resumes from)")
+    checkpoint_every: int = _setting(500, "steps between checkpoints")
+    eval_every: int | None = _setting(None, "steps between evaluations on eval data; none: once, at the end")
+    log_every: int = _setting(10, "steps between metrics records")
 
     def __post_init__(self):
         sizes = self.block_size

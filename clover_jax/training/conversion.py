@@ -8,7 +8,7 @@ a `clover_moe` checkpoint (docs/training.md, "Conversion"):
 * a mask token `<|mask|>` is added to the tokenizer at the first id past its vocabulary; while
   that id is below the config's `vocab_size` the embedding keeps its size (Qwen checkpoints pad
   their embeddings), else the embedding and LM head grow to the next multiple of 256 rows, the
-  new rows starting at the mean of the old ones;
+  new rows starting at the mean of the old ones (`clover_jax.adapters.vocabulary`);
 * `generation_config.json` holds the Clover defaults (block size 32, threshold 0.95 and the
   model card's controls) over the source's own fields, then `FinetuneConfig.generation_config`.
 
@@ -24,7 +24,6 @@ import os
 import shutil
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.config import CloverConfig
@@ -72,20 +71,6 @@ def plan_target(config: CloverConfig, tokenizer, source_dir: str | None, overrid
     target = dataclasses.replace(config, model_type="clover_moe", mask_token_id=mask,
                                  vocab_size=grown or config.vocab_size)
     return Target(target, grown, mask, adds, generation)
-
-
-def grow_vocabulary(params: dict, config: CloverConfig, rows: int) -> dict:
-    """`params` with the embedding (and an untied LM head) grown to `rows` rows, new rows at the
-    mean of the old ones."""
-    def grown(table):
-        mean = jnp.mean(table, axis=0, keepdims=True)
-        return jnp.concatenate([table, jnp.repeat(mean, rows - table.shape[0], axis=0)], axis=0)
-
-    params = dict(params)
-    params["embed_tokens"] = {**params["embed_tokens"], "embedding": grown(params["embed_tokens"]["embedding"])}
-    if not config.tie_word_embeddings:
-        params["lm_head"] = grown(params["lm_head"])
-    return params
 
 
 def write_tokenizer(source_dir: str, out_dir: str, target: Target) -> None:

@@ -17,8 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.nn.model import CloverTransformer, Params
-from clover_jax.training.dataset import choose_blocks, noisy_width
-from clover_jax.training.loss import LossSettings, Normalisers, TrainRows, block_rows, loss_parts
+from clover_jax.training.batches import (
+    Normalisers,
+    TrainRows,
+    block_rows,
+    choose_blocks,
+    next_token_targets,
+    noisy_width,
+)
+from clover_jax.training.loss import LossSettings, loss_parts
 from clover_jax.training.masking import Noise
 from clover_jax.training.packing import PackedRows
 
@@ -54,11 +61,11 @@ def _eval_batch(params: Params, rows: TrainRows, coreset_top_p: jax.Array, *, mo
         parts = loss_parts(params, module, rows, noise, one, settings=settings, coreset_top_p=coreset_top_p)
         sums.append((parts.diffusion_loss, parts.masked_correct, parts.masked_tokens, parts.next_token_loss))
     nll, correct, masked, next_nll = (jnp.stack(values) for values in zip(*sums, strict=True))
-    predicts = rows.next_token[:, 1:] & (rows.segment[:, 1:] == rows.segment[:, :-1])
+    predicts = next_token_targets(rows)
     return EvalSums(nll, correct, masked, next_nll[0], jnp.sum(predicts.astype(jnp.float32)))
 
 
-def evaluate(params: Params, module: CloverTransformer, packed: PackedRows, *, settings: LossSettings,
+def held_out_metrics(params: Params, module: CloverTransformer, packed: PackedRows, *, settings: LossSettings,
              batch_size: int, coreset_top_p: float) -> dict[str, float]:
     """The evaluation metrics of `packed` (held-out rows of `settings.block_size`), prefixed "eval_"."""
     size = settings.block_size

@@ -22,31 +22,11 @@ import jax.numpy as jnp
 from clover_jax.core.streams import make_streams
 from clover_jax.nn.model import CloverTransformer, Params
 from clover_jax.nn.moe import RouterStats
+from clover_jax.training.batches import Normalisers, TrainRows, block_rows, next_token_targets
 from clover_jax.training.block_pass import stream_pass
 from clover_jax.training.config import LOSS_WEIGHTINGS
 from clover_jax.training.cross_entropy import chunked_cross_entropy
 from clover_jax.training.masking import Noise
-
-
-class TrainRows(NamedTuple):
-    """One batch of packed rows (`clover_jax.training.packing`). b = rows, L = clean tokens per row,
-    N0 = noisy blocks of the first copy per row.
-
-    clean_ids: int32 [b, L], the clean stream (the real transcript);
-    segment: int32 [b, L], each token's example (0: padding after the last example);
-    targets: int32 [b, L], what each position of a noisy block should become: the clean token, or
-        the pad token after an assistant turn's end inside its block and after an example's last token;
-    maskable: bool [b, L], the diffusion loss tokens (the noise may mask them);
-    next_token: bool [b, L], the next-token targets (token p, predicted by row p − 1 of its example);
-    block_index: int32 [b, N0], the clean blocks the noisy stream denoises (an index past the row's
-        blocks is an unused slot)."""
-
-    clean_ids: jax.Array
-    segment: jax.Array
-    targets: jax.Array
-    maskable: jax.Array
-    next_token: jax.Array
-    block_index: jax.Array
 
 
 class LossSettings(NamedTuple):
@@ -64,13 +44,6 @@ class LossSettings(NamedTuple):
     chunk_rows: int | None = None  # the cross-entropy's rows per chunk (None: by the vocabulary)
 
 
-class Normalisers(NamedTuple):
-    """float32 []: the loss tokens (once per pair of copies) and next-token targets of the global batch."""
-
-    loss_tokens: jax.Array
-    next_tokens: jax.Array
-
-
 class LossParts(NamedTuple):
     """The loss and its parts, float32 []. Sums over this micro-batch divided by the global
     normalisers (so parts of micro-batches add up), except `masked_accuracy` and the per-layer
@@ -85,16 +58,6 @@ class LossParts(NamedTuple):
     masked_tokens: jax.Array
     masked_correct: jax.Array
     expert_load: jax.Array
-
-
-def block_rows(rows: TrainRows, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """The first copy's noisy blocks: (targets int32 [b, N0, B], maskable bool [b, N0, B]); an
-    unused slot has nothing maskable."""
-    batch, length = rows.clean_ids.shape
-    in_row = rows.block_index < length // block_size
-    positions = jnp.where(in_row, rows.block_index, 0)[:, :, None] * block_size + jnp.arange(block_size)
-    gather = lambda array: jnp.take_along_axis(array, positions.reshape(batch, -1), axis=1).reshape(positions.shape)
-    return gather(rows.targets), gather(rows.maskable) & in_row[:, :, None]
 
 
 def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise: Noise, normalisers: Normalisers,
@@ -128,7 +91,7 @@ def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise
     diffusion = jnp.sum(noisy.nll * weight) / normalisers.loss_tokens
 
     # Next token: row p of the clean stream predicts token p + 1 of the same example.
-    predicts = rows.next_token[:, 1:] & (rows.segment[:, 1:] == rows.segment[:, :-1])
+    predicts = next_token_targets(rows)
     clean = cross_entropy(out.hidden[:, :length - 1], rows.clean_ids[:, 1:])
     next_token = jnp.sum(clean.nll * predicts.reshape(-1)) / normalisers.next_tokens
 
@@ -150,3 +113,10 @@ def router_losses(stats: RouterStats, num_experts: int) -> tuple[jax.Array, jax.
     probability = stats.probability / rows[:, None]
     balance = jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(load) * probability, axis=-1))
     return balance, jnp.mean(stats.z / rows), load
+
+
+def empty_parts(module: CloverTransformer) -> LossParts:
+    """`LossParts` of zeros: scalars, and [layers, experts] for the expert load."""
+    config = module.config
+    scalar = jnp.zeros((), jnp.float32)
+    return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32))

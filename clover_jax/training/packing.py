@@ -16,13 +16,13 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from clover_jax.training.data import DataError, Example
+from clover_jax.training.examples import DataError, Example
 
 logger = logging.getLogger(__name__)
 
 
 class PackedRows(NamedTuple):
-    """Every packed row of one block size, NumPy [rows, seq_len] (the fields of `loss.TrainRows`
+    """Every packed row of one block size, NumPy [rows, seq_len] (the fields of `batches.TrainRows`
     but the noisy blocks, which are chosen per step): clean_ids, segment, targets, maskable,
     next_token; and `examples` int [rows], the examples each row holds."""
 

@@ -30,16 +30,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from clover_jax.core.params import find_param
 from clover_jax.core.quantization import QuantizedWeight, quantized_shardings
+from clover_jax.core.tree_paths import get, key_names
 from clover_jax.parallel.sharding import MeshSharding
 
 # Where an offloaded base lives: page-locked host memory, which the chips read by DMA.
 HOST_MEMORY = "pinned_host"
 
 __all__ = ["HOST_MEMORY", "TrainLayout", "fsdp_spec", "layer_to_device", "leaf_spec", "place", "train_layout"]
-
-
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(key, "key", getattr(key, "name", key))) for key in path)
 
 
 def fsdp_spec(spec: PartitionSpec, shape: tuple[int, ...], data_axis: str, data_size: int, *,
@@ -84,7 +81,7 @@ def tree_shardings(mesh_sharding: MeshSharding, tree: Any, *, prefix: tuple[str,
     data_size = mesh_sharding.axis_size(data_axis)
 
     def one(path, leaf):
-        names = prefix + _names(path)
+        names = prefix + key_names(path)
         if isinstance(leaf, QuantizedWeight):
             float_shape = tuple(leaf.shape)
             spec = leaf_spec(mesh_sharding, names, float_shape)
@@ -126,31 +123,29 @@ def _row_axes(mesh_sharding: MeshSharding) -> tuple[str, ...]:
 
 def train_layout(mesh_sharding: MeshSharding, state: Any, rows: Any, frozen: Any = None, *,
                  offload_base: bool = False) -> TrainLayout:
-    """The layout of a train state (`step.TrainState`; arrays or `jax.ShapeDtypeStruct`s), a
+    """The layout of a train state (`state.TrainState`; arrays or `jax.ShapeDtypeStruct`s), a
     batch of `TrainRows` and a LoRA run's frozen base. The optimizer state's parameter-shaped
     leaves (AdamW's moments) take their parameter's sharding; its counters are replicated.
     `offload_base`: the base's stacked layers (`groups`) in host memory, same split."""
-    from clover_jax.training.step import TrainState
-
     replicated = NamedSharding(mesh_sharding.mesh, PartitionSpec())
     params = tree_shardings(mesh_sharding, state.params)
     by_shape = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-        by_shape.setdefault(tuple(leaf.shape), []).append((_names(path), leaf))
-    param_paths = {_names(path): sharding for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]}
+        by_shape.setdefault(tuple(leaf.shape), []).append((key_names(path), leaf))
+    param_paths = {key_names(path): sharding for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]}
 
     def optimizer_leaf(path, leaf):
-        names = _names(path)
+        names = key_names(path)
         # optax's state nests each moment as a copy of the params tree: the param's path is a suffix
         for start in range(len(names)):
-            if names[start:] in param_paths and tuple(leaf.shape) == tuple(_leaf_shape(state.params, names[start:])):
+            if names[start:] in param_paths and tuple(leaf.shape) == tuple(get(state.params, names[start:]).shape):
                 return param_paths[names[start:]]
         return replicated
 
     opt_state = jax.tree_util.tree_map_with_path(optimizer_leaf, state.opt_state)
     row_spec = lambda leaf: NamedSharding(mesh_sharding.mesh, PartitionSpec(_row_axes(mesh_sharding) or None,
                                                                             *(None,) * (leaf.ndim - 1)))
-    layout_state = TrainState(replicated, params, opt_state)
+    layout_state = state._replace(step=replicated, params=params, opt_state=opt_state)
     layout_frozen = None if frozen is None else tree_shardings(mesh_sharding, frozen)
     if offload_base and layout_frozen is not None:
         layout_frozen = {name: _in_host_memory(frozen[name], tree) if name == "groups" else tree
@@ -171,7 +166,7 @@ def layer_to_device(mesh_sharding: MeshSharding, slot: str, params: dict) -> dic
     prefix = ("groups", slot)
 
     def one(path, leaf):
-        names = prefix + _names(path)
+        names = prefix + key_names(path)
         if find_param(names) is None:  # a LoRA factor (trained, on the chips already)
             return leaf
         stacked = jax.tree_util.tree_map(lambda part: jax.ShapeDtypeStruct((1,) + part.shape, part.dtype), leaf)
@@ -194,12 +189,6 @@ def _in_host_memory(stacks: Any, shardings: Any) -> Any:
         return sharding.with_memory_kind(HOST_MEMORY) if offloaded else sharding
 
     return jax.tree_util.tree_map(one, stacks, shardings)
-
-
-def _leaf_shape(tree: Any, names: tuple[str, ...]):
-    for name in names:
-        tree = tree[name]
-    return tree.shape
 
 
 def place(tree: Any, shardings: Any) -> Any:

@@ -18,13 +18,13 @@ import clover_jax
 assert "jax" not in sys.modules, "import clover_jax imported jax"
 assert {"Tokenizer", "CloverModel"} <= set(clover_jax.__all__) <= set(dir(clover_jax))
 from clover_jax import Tokenizer
-from clover_jax.api.tokenization import Tokenizer as Home
+from clover_jax.text.tokenizer import Tokenizer as Home
 assert Tokenizer is Home
 tokenizer = Tokenizer.from_pretrained(clover_jax.bundled_model_path())
 assert tokenizer.decode(tokenizer.encode("sort 3 1 2")) == "sort 3 1 2"
 assert "jax" not in sys.modules, "the tokenizer imported jax"
 from clover_jax import CloverModel
-from clover_jax.api.clover_model import CloverModel as ModelHome
+from clover_jax.model.clover_model import CloverModel as ModelHome
 assert CloverModel is ModelHome
 print("ok")
 """

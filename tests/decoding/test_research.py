@@ -160,14 +160,14 @@ needs_bundled = pytest.mark.skipif(not (BUNDLED_MODEL / "tokenizer.json").is_fil
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(BUNDLED_MODEL)
 
 
 @needs_bundled
 def test_sort_task_prompts_are_the_chat_formatted_problems_and_it_scores_the_reference_response(tokenizer):
-    from clover_jax.training.task import SortDigits
+    from clover_jax.training.tiny.sort_digits import SortDigits
 
     task = sort_task(tokenizer, count=5, min_digits=9, max_digits=12)
     problems = SortDigits(9, 12).held_out(5)

@@ -138,7 +138,7 @@ def test_a_model_without_a_mask_token_is_refused_before_compute(clover_model, mo
 @pytest.fixture(scope="module")
 def bundled():
     from clover_jax import CloverModel
-    from clover_jax.training.recipe import BUNDLED_DIR
+    from clover_jax.training.tiny.recipe import BUNDLED_DIR
 
     # Prompts are short; a 64-token prefill chunk keeps generate's per-sequence memory estimate small.
     return CloverModel.from_pretrained(BUNDLED_DIR, strict=True, progress=False, chunk_size=64)
@@ -148,7 +148,7 @@ def bundled():
 def held_out(bundled):
     from tokenizers import Tokenizer
 
-    from clover_jax.training.recipe import Recipe
+    from clover_jax.training.tiny.recipe import Recipe
 
     tokenizer = Tokenizer.from_file(os.path.join(bundled.path, "tokenizer.json"))
     task = Recipe().task

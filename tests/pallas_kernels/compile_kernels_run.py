@@ -177,7 +177,7 @@ def gdn_backward_cases():
 def main(out_path: str, targets: tuple[str, ...] = TARGETS) -> None:
     import jax
 
-    from clover_jax.api.aot import compiler_error
+    from clover_jax.api.compile.deviceless import compiler_error
     from clover_jax.parallel.targets import compile_only_devices, target
 
     results = {}

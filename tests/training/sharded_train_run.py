@@ -7,7 +7,7 @@ number of devices is fixed when JAX starts.
 
 OUT.npz holds, per run ("one": one device, else the mesh; "+lora": a LoRA run): the loss and the
 gradient of every trained leaf at the first state (`step.batch_gradients`); with "+curve" also
-the loss curve of `--steps` optimizer steps through the trainer's loop (`trainer._train`) and the
+the loss curve of `--steps` optimizer steps through the trainer's loop (`loop.run_loop`) and the
 parameters after them ("+nograds": the curve alone). OUT.json: the mesh axes of each parameter
 and AdamW moment. With several processes, each joins `jax.distributed` on 127.0.0.1 and writes
 OUT.<process>.npz.
@@ -30,7 +30,7 @@ BATCH, LENGTH, BLOCK = 8, 16, 4
 def batch_rows(step: int):
     """A batch of 8 packed rows of 16 tokens: two examples in the even rows, one in the odd ones;
     prompts (the first 3 tokens of each example) untrained."""
-    from clover_jax.training.loss import TrainRows
+    from clover_jax.training.batches import TrainRows
 
     rng = np.random.RandomState(step)
     clean = rng.randint(2, MASK_ID, (BATCH, LENGTH)).astype(np.int32)
@@ -47,12 +47,12 @@ class Batches:
     """The trainer's batch source (`dataset.BatchIterator`'s interface), one fixed batch per step."""
 
     def __init__(self):
-        from clover_jax.training.dataset import DataPosition
+        from clover_jax.training.batches import DataPosition
 
         self.position = DataPosition(0, (0,))
 
     def next(self):
-        from clover_jax.training.dataset import Batch, DataPosition
+        from clover_jax.training.batches import Batch, DataPosition
 
         step = self.position.step
         self.position = DataPosition(step + 1, (0,))
@@ -61,69 +61,63 @@ class Batches:
 
 def run(model, mesh_sizes, *, lora: bool, steps: int, gradients: bool = True,
         offload: bool = False) -> tuple[dict, dict]:
-    """(arrays, mesh axes) of one run: on one device (`mesh_sizes` None) or on a mesh; `offload`:
-    the LoRA base's layers in host memory (with "layer" remat, as `offload_base` needs)."""
+    """(arrays, mesh axes) of one run: on one device (`mesh_sizes` None: a 1x1x1 mesh) or on a mesh;
+    `offload`: the LoRA base's layers in host memory (with "layer" remat, as `offload_base` needs)."""
     import jax
 
-    from clover_jax.training import lora as lora_params, train_sharding, trainer
-    from clover_jax.training.block_pass import training_module
+    from clover_jax.adapters import lora as lora_params
+    from clover_jax.training import trainer
+    from clover_jax.training.batches import Normalisers, normalisers
     from clover_jax.training.config import FinetuneConfig
-    from clover_jax.training.step import OptimizerSettings, batch_gradients, compute_base, init_state, normalisers
+    from clover_jax.training.loop import LoopRun, run_loop
+    from clover_jax.training.outputs import on_host
+    from clover_jax.training.state import OptimizerSettings, compute_base, init_state
+    from clover_jax.training.step import StepProgram, batch_gradients
+    from clover_jax.training.train_sharding import place
 
     config = FinetuneConfig(method="lora" if lora else "full", steps=max(steps, 1), batch_size=BATCH, seq_len=LENGTH,
                             block_size=BLOCK, learning_rate=1e-3, warmup_steps=0, log_every=1, mesh=mesh_sizes,
+                            lora_rank=8, lora_alpha=16.0,
                             lora_targets=("attention", "gdn", "shared_expert", "routed_experts"),
                             offload_base=offload, remat="layer" if offload else "none")
-    mesh = trainer.training_mesh(config)
-    mesh_sharding = None if mesh is None else trainer.training_mesh_sharding(mesh, model.config)
-    module = training_module(model.module.clone(mesh_sharding=mesh_sharding), remat=config.remat,
-                             offload_base=config.offload_base)
+    mesh_sharding = trainer.training_mesh_sharding(trainer.training_mesh(config), model.config)
+    program = StepProgram.of(config, model.module.clone(mesh_sharding=mesh_sharding), block_size=BLOCK,
+                             compute_dtype="float32")
     # a copy: the step donates the state, and every run starts from the model's parameters
-    spec, frozen, trained = None, None, jax.tree_util.tree_map(np.array, model.params)
+    spec, frozen, trained = program.lora, None, jax.tree_util.tree_map(np.array, model.params)
     if lora:
-        spec = lora_params.LoraSpec(8, 16.0, config.lora_targets, MASK_ID, model.config.tie_word_embeddings)
         trained = lora_params.init_trainable(model.params, model.config, spec, jax.random.key(0))
         # B starts at zero; a drawn B makes the adapters' gradients depend on both factors
         trained = jax.tree_util.tree_map_with_path(
             lambda path, leaf: leaf + 0.05 * jax.random.normal(jax.random.key(len(str(path))), leaf.shape)
             if str(path).endswith("['b']") else leaf, trained)
-        frozen = compute_base(model.params, "float32", on_device=mesh is None)
-    program = trainer._program(config, module, trainer._loss_settings(config, model.config, BLOCK), "float32", spec)
-    state = init_state(OptimizerSettings.of(config), trained, on_device=mesh is None)
+        frozen = compute_base(model.params, "float32")
     rows = batch_rows(0)
-    norm = normalisers(rows, BLOCK)
-    key = jax.random.key(config.seed)
-    top_p = np.float32(model.config.moe_block_coreset_top_p)
-    layout = None
-    gradient_step = jax.jit(functools.partial(batch_gradients, program=program))
-    if mesh_sharding is not None:
-        layout = train_sharding.train_layout(mesh_sharding, state, rows, frozen, offload_base=offload)
-        state = train_sharding.place(state, layout.state)
-        frozen = None if frozen is None else train_sharding.place(frozen, layout.frozen)
-        replicated = layout.replicated
-        gradient_step = jax.jit(functools.partial(batch_gradients, program=program),
+    state, layout, frozen = trainer.placed_state(mesh_sharding, init_state(OptimizerSettings.of(config), trained),
+                                                 frozen, rows, offload_base=offload)
+    replicated = layout.replicated
+    gradient_step = jax.jit(functools.partial(batch_gradients, program=program),
                             in_shardings=(layout.state.params, replicated, layout.rows, replicated, replicated,
                                           replicated, layout.frozen),
                             out_shardings=(layout.state.params, replicated))
-        rows = train_sharding.place(rows, layout.rows)
-        key = jax.jit(lambda: jax.random.key(config.seed), out_shardings=replicated)()
-        norm = train_sharding.place(norm, type(norm)(replicated, replicated))
-        top_p = train_sharding.place(top_p, replicated)
+    key = jax.jit(lambda: jax.random.key(config.seed), out_shardings=replicated)()
+    norm = place(normalisers(rows, BLOCK), Normalisers(replicated, replicated))
+    top_p = place(np.float32(model.config.moe_block_coreset_top_p), replicated)
     arrays = {}
     if gradients:
-        grads, parts = gradient_step(state.params, state.step, rows, key, norm, top_p, frozen)
-        arrays["loss"] = trainer._on_host(parts.loss)
-        arrays.update({f"grad/{name}": value for name, value in _flat(trainer._on_host(grads)).items()})
+        grads, parts = gradient_step(state.params, state.step, place(rows, layout.rows), key, norm, top_p, frozen)
+        arrays["loss"] = on_host(parts.loss)
+        arrays.update({f"grad/{name}": value for name, value in _flat(on_host(grads)).items()})
     if steps:
         config = dataclasses.replace(config, steps=steps)
-        state, history = trainer._train(state, Batches(), {BLOCK: program}, config=config,
-                                        top_p=model.config.moe_block_coreset_top_p, evaluation=None, on_metrics=None,
-                                        progress=False, frozen=frozen, layout=layout)
+        state, history = run_loop(state, Batches(), LoopRun({BLOCK: program}, layout, frozen,
+                                                            model.config.moe_block_coreset_top_p), config,
+                                  progress=False)
         arrays["curve"] = np.asarray([record["loss"] for record in history])
         arrays["grad_norms"] = np.asarray([record["grad_norm"] for record in history])
-        arrays.update({f"param/{name}": value for name, value in _flat(trainer._on_host(state.params)).items()})
+        arrays.update({f"param/{name}": value for name, value in _flat(on_host(state.params)).items()})
     axes = {}
-    if layout is not None:
+    if mesh_sizes is not None:
         for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]:
             spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
             axes[jax.tree_util.keystr(path)] = [list(a) if isinstance(a, tuple) else a for a in spec]

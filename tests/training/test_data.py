@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from clover_jax.api.tokenization import Tokenizer
-from clover_jax.training.data import DataError, read_examples
-from clover_jax.training.dataset import BatchIterator, DataPosition, choose_blocks
+from clover_jax.text.tokenizer import Tokenizer
+from clover_jax.training.batches import BatchIterator, DataPosition, choose_blocks
+from clover_jax.training.examples import DataError, read_examples
 from clover_jax.training.packing import fit_examples, pack
-from clover_jax.training.recipe import BUNDLED_DIR
+from clover_jax.training.tiny.recipe import BUNDLED_DIR
 
 IM_END, PAD = 2, 0
 
@@ -186,15 +186,15 @@ def test_max_noisy_blocks_keeps_at_most_that_many_blocks_of_each_example(tokeniz
 def test_tokenised_data_is_kept_and_read_again_only_when_data_or_tokenizer_change(tokenizer, tmp_path, monkeypatch):
     import shutil
 
-    from clover_jax.training import data_cache
+    from clover_jax.training import example_cache
 
     path = write_lines(tmp_path / "chat.jsonl", chat("sort 3 1", "1 3"), {"text": "abc"})
     shards = tmp_path / "shards"
-    first = data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
-                                       directory=str(shards))
-    monkeypatch.setattr(data_cache, "read_examples", lambda *a, **k: pytest.fail("read again"))
-    again = data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
-                                       directory=str(shards))
+    first = example_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
+                                          directory=str(shards))
+    monkeypatch.setattr(example_cache, "read_examples", lambda *a, **k: pytest.fail("read again"))
+    again = example_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False,
+                                          directory=str(shards))
     assert [(e.ids.tolist(), e.loss.tolist(), e.turn_ends, e.source) for e in again] == \
         [(e.ids.tolist(), e.loss.tolist(), e.turn_ends, e.source) for e in first]
     copy = tmp_path / "tokenizer"
@@ -202,9 +202,9 @@ def test_tokenised_data_is_kept_and_read_again_only_when_data_or_tokenizer_chang
     with open(copy / "tokenizer_config.json", "a") as handle:
         handle.write(" ")
     changed = Tokenizer.from_pretrained(copy)
-    key = lambda tok, turns: data_cache.data_key([path], tok.path, end_of_turn=[IM_END], split_turns=turns)
+    key = lambda tok, turns: example_cache.data_key([path], tok.path, end_of_turn=[IM_END], split_turns=turns)
     assert len({key(tokenizer, False), key(changed, False), key(tokenizer, True)}) == 3
     with open(path, "a") as handle:
         handle.write(json.dumps({"text": "more"}) + "\n")
     with pytest.raises(pytest.fail.Exception, match="read again"):
-        data_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False, directory=str(shards))
+        example_cache.cached_examples(path, tokenizer, end_of_turn=[IM_END], split_turns=False, directory=str(shards))

@@ -10,9 +10,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from clover_jax.api.tokenization import Tokenizer
-from clover_jax.training.data import DataError, read_examples
-from clover_jax.training.recipe import BUNDLED_DIR
+from clover_jax.text.tokenizer import Tokenizer
+from clover_jax.training.examples import DataError, read_examples
+from clover_jax.training.tiny.recipe import BUNDLED_DIR
 
 IM_END = 2
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from clover_jax.training import FinetuneConfig, finetune
-from clover_jax.training.data import DataError
-from clover_jax.training.recipe import BASE_DIR, Recipe, task_controls, write_task_data
+from clover_jax.training.examples import DataError
+from clover_jax.training.tiny.recipe import BASE_DIR, Recipe, task_controls, write_task_data
 
 CONVERSION = FinetuneConfig(steps=24, batch_size=8, seq_len=64, block_size=16, learning_rate=3e-3, warmup_steps=4,
                             log_every=4, load_balance_weight=0.0, generation_config=task_controls(Recipe()))
@@ -25,10 +25,24 @@ def task_data(tmp_path_factory) -> str:
     return write_task_data(directory / "train.jsonl", Recipe().task, count=400, seed=0, thinking_fraction=0.8)
 
 
+REACHED: list[tuple[str, int]] = []  # the fault points the `converted` run reported
+
+
 @pytest.fixture(scope="module")
 def converted(task_data, tmp_path_factory):
+    from clover_jax.training import faults
+
     out = tmp_path_factory.mktemp("converted")
-    return finetune(BASE_DIR, task_data, out, config=CONVERSION, progress=False)
+    remove = faults.inject(lambda point, step: REACHED.append((point, step)))
+    try:
+        return finetune(BASE_DIR, task_data, out, config=CONVERSION, progress=False)
+    finally:
+        remove()
+
+
+def test_the_loop_reports_every_step_to_the_fault_seam(converted):
+    # no checkpoint_dir, so no saves: the "save" point is killed at in the resumption test below
+    assert REACHED == [("step", step) for step in range(1, CONVERSION.steps + 1)]
 
 
 def test_the_bundled_base_is_a_qwen_model_without_a_mask_token():
@@ -53,7 +67,7 @@ def test_a_short_conversion_lowers_the_loss_and_raises_masked_accuracy(converted
 
 def test_the_converted_model_is_a_clover_with_a_mask_token_past_the_tokenizer(converted):
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding import GenerationConfig
 
     with open(os.path.join(converted.out, "config.json")) as handle:
@@ -72,7 +86,7 @@ def test_the_converted_model_is_a_clover_with_a_mask_token_past_the_tokenizer(co
 @pytest.mark.parametrize("mode", ["diffusion", "autoregressive", "self_speculative"])
 def test_the_converted_model_decodes_in_every_mode(converted, mode):
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding import generate
 
     model = CloverModel.from_pretrained(converted.out, progress=False, chunk_size=64)
@@ -84,9 +98,9 @@ def test_the_converted_model_decodes_in_every_mode(converted, mode):
 
 
 def test_bad_data_is_refused_before_anything_compiles(task_data, tmp_path, monkeypatch):
-    from clover_jax.training import trainer as module
+    from clover_jax.training import loop
 
-    monkeypatch.setattr(module, "train_step", lambda *a, **k: pytest.fail("a step ran"))
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: pytest.fail("a step ran"))
     bad = tmp_path / "bad.jsonl"
     lines = open(task_data).read().splitlines()[:5] + ['{"messages": [{"role": "user", "content": 1}]}']
     bad.write_text("\n".join(lines) + "\n")
@@ -102,18 +116,30 @@ RESUMED = ["--steps", "6", "--batch-size", "2", "--seq-len", "64", "--block-size
            "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "2", "--no-progress"]
 
 
+# `clover-jax train` with a fault injected (`clover_jax.training.faults`): "POINT:STEP" first, then the flags.
+KILLED_AT = """
+import runpy, sys
+from clover_jax.training import faults
+
+point, step = sys.argv[1].split(":")
+faults.inject(faults.kill_at(point, int(step)))
+sys.argv = ["clover-jax", *sys.argv[2:]]
+runpy.run_module("clover_jax", run_name="__main__")
+"""
+
+
 def train_command(data, out, checkpoints=None, kill_at=None, dry=False):
-    """Run `clover-jax train` on the resumption settings (`dry`: return the command instead)."""
+    """Run `clover-jax train` on the resumption settings, killed at `kill_at` ("POINT:STEP") when
+    given (`dry`: return the command instead)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("CLOVER_JAX_KILL_AT", None)
-    if kill_at:
-        env["CLOVER_JAX_KILL_AT"] = kill_at
     command = [sys.executable, "-m", "clover_jax", "train", "--model", BASE_DIR, "--data", data, "--out", str(out),
                *RESUMED]
     if checkpoints:
         command += ["--checkpoint-dir", str(checkpoints)]
     if dry:
         return command
+    if kill_at:
+        command = [sys.executable, "-c", KILLED_AT, kill_at, *command[3:]]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -193,8 +219,8 @@ def test_a_save_whose_failure_orbax_only_logs_is_still_reported_before_the_next_
     fails with the logged OS error, naming the checkpoint a rerun resumes from."""
     from absl import logging as absl_logging
 
+    from clover_jax.training.batches import DataPosition
     from clover_jax.training.checkpointing import Saver
-    from clover_jax.training.dataset import DataPosition
 
     state = {"w": np.arange(6, dtype=np.float32)}
     saver = Saver(tmp_path / "checkpoints", every=2)

@@ -11,6 +11,7 @@ import pytest
 
 from clover_jax.core.state import empty_state
 from clover_jax.nn.model import TransformerPasses
+from clover_jax.training.batches import Normalisers, TrainRows, block_rows
 from clover_jax.training.block_pass import differentiable, training_module
 from clover_jax.training.cross_entropy import (
     CHUNK_LOGIT_BYTES,
@@ -18,7 +19,7 @@ from clover_jax.training.cross_entropy import (
     chunk_rows_for,
     chunked_cross_entropy,
 )
-from clover_jax.training.loss import LossSettings, Normalisers, TrainRows, block_rows, loss_parts
+from clover_jax.training.loss import LossSettings, loss_parts
 from clover_jax.training.masking import draw_noise
 from tests.conftest import MASK_ID
 

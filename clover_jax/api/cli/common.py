@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from clover_jax import bundled_model_path
+from clover_jax.core.bundled import bundled_model_path
 
 BUNDLED_MODEL = bundled_model_path()
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C

@@ -35,8 +35,8 @@ def run_generate(args: argparse.Namespace) -> int:
     status = Status(quiet=args.quiet or args.json)
     path = resolve_model_dir(args.model, args.revision, quiet=status.quiet)
 
-    from clover_jax.api.tokenization import Tokenizer
     from clover_jax.core.config import CloverConfig
+    from clover_jax.text.tokenizer import Tokenizer
 
     check_model_format(args)
     # With an adapter, the trained model's config, tokenizer and generation config are the adapter's
@@ -60,7 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     import jax
 
-    from clover_jax import CloverModel
+    from clover_jax.model.clover_model import CloverModel
     from decoding import generate
 
     formats = dict(dtype=args.dtype, progress=not status.quiet, adapter=args.adapter, **placement.load_options())

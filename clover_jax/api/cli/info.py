@@ -37,42 +37,56 @@ def run_plan(args: argparse.Namespace) -> int:
         target(args.target)
     except ValueError as error:
         raise UsageError(f"argument --target: {error}") from None
-    if args.batch < 1 or args.context_length < 1:
+    if (args.batch is not None and args.batch < 1) or args.context_length < 1:
         raise UsageError("arguments --batch and --context-length must be >= 1")
     if args.model is None and args.revision is not None:
         raise UsageError("--revision applies to a Hub id given as MODEL")
+    if args.task == "decode":
+        from clover_jax.api.cli.finetune_flags import flag_name, values_from_flags
+
+        given = values_from_flags(args, skip=("batch_size", "generation_config"))
+        if given:
+            raise UsageError(f"{', '.join(map(flag_name, given))}: a fine-tuning run's, for --task train")
     from clover_jax.api.plan import plan as make_plan
 
     if args.task == "train":
-        result = make_plan(args.model or BUNDLED_MODEL, args.target, task="train", config=_finetune_config(args),
-                           compile=args.compile, revision=args.revision, block_size=args.block_size,
-                           remat_choices=None if args.remat is None else (args.remat,))
+        config = _finetune_config(args)
+        result = make_plan(args.model or BUNDLED_MODEL, args.target, task="train", config=config,
+                           compile=args.compile, revision=args.revision, block_size=config.block_sizes(32)[0],
+                           remat_choices=None if args.remat is None else (config.remat,))
     else:
         result = make_plan(args.model or BUNDLED_MODEL, args.target, context_length=args.context_length,
-                           batch=args.batch, compile=args.compile, revision=args.revision)
+                           batch=1 if args.batch is None else args.batch, compile=args.compile,
+                           revision=args.revision)
     print(json.dumps(plan_record(result)) if args.json else result)
     return 0
 
 
 def _finetune_config(args: argparse.Namespace):
-    """The `FinetuneConfig` of `plan --task train`'s flags (a bad value: a FieldError naming it)."""
+    """The `FinetuneConfig` of `plan --task train`'s flags, read as `clover-jax train` reads them, with
+    --batch as its batch_size; an offloaded base without --remat takes the first remat that allows it
+    (the planner's choice). A bad value: a FieldError naming it."""
+    from clover_jax.api.cli.finetune_flags import values_from_flags
     from clover_jax.training.config import OFFLOAD_REMAT, FinetuneConfig
 
-    return FinetuneConfig(method=args.method, lora_rank=args.lora_rank, quantize=args.quantize,
-                          lora_targets=tuple(name.strip() for name in args.lora_targets.split(",") if name.strip()),
-                          batch_size=args.batch, seq_len=args.seq_len, block_size=args.block_size,
-                          remat=args.remat or (OFFLOAD_REMAT[0] if args.offload_base else "none"),
-                          offload_base=args.offload_base)
+    values = values_from_flags(args, skip=("batch_size", "generation_config"))
+    if args.batch is not None:
+        values["batch_size"] = args.batch
+    if values.get("offload_base") and "remat" not in values:
+        values["remat"] = OFFLOAD_REMAT[0]
+    return FinetuneConfig(**values)
 
 
 def plan_record(result) -> dict[str, Any]:
     """A plan as JSON: each option's format, mesh, bytes per device (estimated and, when compiled,
     each loop's compiler figures or error) and whether it fits."""
+    from clover_jax.api.train_plan import TrainOption
+
     def option_record(option) -> dict[str, Any]:
         record = {"weights": option.weights, "quantize": None if option.quantize is None else option.quantize.name,
                   "mesh": option.mesh, "weight_bytes": option.weight_bytes, "state_bytes": option.state_bytes,
                   "estimate_bytes": option.total_bytes, "device_bytes": option.device_bytes, "fits": option.fits}
-        if option.remat is not None:  # a train step's
+        if isinstance(option, TrainOption):
             record.update(remat=option.remat, max_seq_len=option.max_seq_len, offload_base=option.offload_base)
         if option.compiled is not None:
             record["compiled"] = {mode: {**dataclasses.asdict(memory), "total_bytes": memory.total_bytes}
@@ -93,8 +107,8 @@ def parameter_counts(config) -> dict[str, int]:
 
 
 def describe(path: Path, config, batch: int, context: int) -> dict[str, Any]:
-    from clover_jax.api.tokenization import has_chat_template
     from clover_jax.parallel.memory import estimate_memory
+    from clover_jax.text.tokenizer import has_chat_template
 
     files = sorted(path.glob("*.safetensors"))
     has_template = has_chat_template(path)

@@ -7,6 +7,7 @@ import os
 
 from clover_jax.api.cli import train
 from clover_jax.api.cli.common import BUNDLED_MODEL, DTYPES, short
+from clover_jax.api.cli.finetune_flags import add_finetune_flags
 from clover_jax.api.cli.flags import add_generation_flags, float_arg, int_arg
 from clover_jax.api.cli.generate import run_generate
 from clover_jax.api.cli.info import run_info, run_plan
@@ -171,26 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "the compiler decide what fits (minutes per format at full size)")
     plan.add_argument("--context-length", type=int_arg, default=32768, metavar="TOKENS",
                       help="prompt + response positions to budget for (default 32768)")
-    plan.add_argument("--batch", type=int_arg, default=1, metavar="N", help="sequences decoded together (default 1)")
+    plan.add_argument("--batch", type=int_arg, default=None, metavar="N",
+                      help="sequences decoded together (default 1), or with --task train a step's (its --batch-size: "
+                           "default 8)")
     plan.add_argument("--revision", metavar="REV", default=None, help="branch, tag or commit of a Hub id")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--task", choices=("decode", "train"), default="decode",
                       help="decode (the default) or train: one fine-tuning run of --batch sequences of --seq-len "
-                           "tokens; with --compile its train step is compiled for the target (docs/training.md)")
-    trained = plan.add_argument_group("--task train")
-    trained.add_argument("--method", choices=("full", "lora"), default="lora", help="(default lora)")
-    trained.add_argument("--lora-rank", type=int_arg, default=16, metavar="R", help="(default 16)")
-    trained.add_argument("--lora-targets", default="attention,gdn,shared_expert,routed_experts", metavar="A,B,...",
-                         help="(default attention,gdn,shared_expert,routed_experts)")
-    trained.add_argument("--quantize", choices=("int8", "int4"), default=None, help="a quantised frozen base (QLoRA)")
-    trained.add_argument("--seq-len", type=int_arg, default=4096, metavar="TOKENS",
-                         help="clean tokens per sequence (default 4096)")
-    trained.add_argument("--block-size", type=int_arg, default=32, metavar="B", help="(default 32)")
-    trained.add_argument("--remat", default=None, metavar="CHOICE",
-                         help="none, full, layer or dots (default: the planner's choice)")
-    trained.add_argument("--offload-base", action="store_true",
-                         help="LoRA: the frozen base's layers in host memory, each copied to the chips where it runs "
-                              "(remat layer; default: tried by the planner when nothing else fits)")
+                           "tokens, described by the flags below as `clover-jax train` reads them; with --compile "
+                           "its train step is compiled for the target (docs/training.md)")
+    trained = plan.add_argument_group(
+        "--task train", "the run's FinetuneConfig, as `clover-jax train` reads it; without --remat the planner "
+                        "chooses the remat (with --offload-base from layer onwards)")
+    add_finetune_flags(trained, skip=("batch_size", "generation_config"))
     plan.set_defaults(run=run_plan)
     train.add_parser(commands)
     return parser

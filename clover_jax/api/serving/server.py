@@ -45,11 +45,11 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     prefix_cache_bytes: the engine's prefix cache budget (0: none), prefix_cache_grid: its grid in
     tokens (`decoding.engine.prefix_cache`); kv_cache_bytes: the K/V page pool (None: the engine's
     default, `decoding.engine.shapes.pool_pages`)."""
-    from clover_jax.api.clover_model import CloverModel
     from clover_jax.api.placement import resolve_placement
-    from clover_jax.api.tokenization import Tokenizer
     from clover_jax.core.config import CloverConfig
     from clover_jax.core.hub import resolve_checkpoint
+    from clover_jax.model.clover_model import CloverModel
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding.engine import Engine
 
     config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))

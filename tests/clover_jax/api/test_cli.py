@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from clover_jax.api import cli
-from clover_jax.api.tokenization import Tokenizer
-from tests.clover_jax.api.test_tokenization import write_chat_checkpoint
+from clover_jax.text.tokenizer import Tokenizer
+from tests.clover_jax.text.test_tokenizer import write_chat_checkpoint
 
 PROMPT = "What is diffusion?"
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "clover-jax")

@@ -31,7 +31,7 @@ def harness(tmp_path_factory):
 def _harness(tmp_path_factory):
     lm_eval = pytest.importorskip("lm_eval")
     import clover_jax.api.lm_eval_model  # noqa: F401  (registers "clover-jax")
-    from clover_jax.training.task import SortDigits
+    from clover_jax.training.tiny.sort_digits import SortDigits
 
     root = tmp_path_factory.mktemp("lm_eval_tasks")
     task = SortDigits()
@@ -57,7 +57,7 @@ def _harness(tmp_path_factory):
 def test_simple_evaluate_answers_generate_until_with_generate(harness):
     lm_eval, tasks, rows, _ = harness
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding import generate
 
     results = lm_eval.simple_evaluate(model="clover-jax", model_args=f"pretrained={BUNDLED_MODEL},batch_size=4",

@@ -62,7 +62,7 @@ def test_target_auto_takes_the_plans_recommendation_for_this_machine():
     (["generate", "hello", "--mesh", "2,1,1"], "DATA must be 1"),
 ])
 def test_the_commands_refuse_bad_placements_as_usage_errors(argv, message, capsys, monkeypatch):
-    from clover_jax.api import clover_model
+    from clover_jax.model import clover_model
 
     monkeypatch.setattr(clover_model.CloverModel, "from_pretrained", _never)
     assert main(argv) == 2
@@ -71,8 +71,8 @@ def test_the_commands_refuse_bad_placements_as_usage_errors(argv, message, capsy
 
 def test_the_lm_eval_model_refuses_a_bad_mesh_before_loading(monkeypatch):
     pytest.importorskip("lm_eval")
-    from clover_jax.api import clover_model
     from clover_jax.api.lm_eval_model import CloverLM
+    from clover_jax.model import clover_model
 
     monkeypatch.setattr(clover_model.CloverModel, "from_pretrained", _never)
     with pytest.raises(ValueError, match="is 4 devices, but this machine has 1"):

@@ -100,7 +100,7 @@ def offline_cache(tmp_path, monkeypatch) -> Path:
 
 def test_a_hub_id_loads_model_generation_config_and_tokenizer_from_the_cache(offline_cache):
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
     from decoding import GenerationConfig
 
     snapshot = offline_cache / "models--tiny-org--tiny-clover" / "snapshots" / COMMIT_MAIN
@@ -131,7 +131,7 @@ def test_revision_picks_a_tag_or_a_commit(offline_cache):
 
 def test_an_id_that_cannot_be_resolved_is_an_error_naming_it(offline_cache, tmp_path):
     from clover_jax import CloverModel
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
 
     for load in (CloverModel.from_pretrained, Tokenizer.from_pretrained):
         with pytest.raises(CheckpointNotFoundError, match="'tiny-org/missing' is neither a local directory nor in "

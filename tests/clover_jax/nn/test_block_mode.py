@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import clover_jax.api.clover_model as clover_model_module
+import clover_jax.model.clover_model as clover_model_module
 from clover_jax.nn.gdn import block_mode_attention
 from tests.conftest import MASK_ID, token_ids
 from tests.reference_model import NaiveClover

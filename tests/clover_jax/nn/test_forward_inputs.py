@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import clover_jax.api.clover_model as clover_model_module
+import clover_jax.model.clover_model as clover_model_module
 
 
 @pytest.mark.parametrize("ids, message", [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from clover_jax import CloverModel
-from clover_jax.api.clover_model import run_pass
 from clover_jax.core.state import GDNState, KVCache, RecordingGDN, empty_state
+from clover_jax.model.clover_model import run_pass
 from clover_jax.nn.model import CloverTransformer, TransformerPasses
 from clover_jax.nn.rollback import recording, rolled_back
 from tests.conftest import token_ids

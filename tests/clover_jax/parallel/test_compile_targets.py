@@ -188,7 +188,7 @@ def test_plan_compiles_only_formats_whose_weights_fit_and_follows_the_compiler(m
     for, and `fits` and the recommendation from the answers, not from the arithmetic."""
     import clover_jax
     from clover_jax.api import plan as plan_module
-    from clover_jax.api.aot import ProgramMemory
+    from clover_jax.api.compile.program_memory import ProgramMemory
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
     jobs = []
@@ -215,9 +215,9 @@ def test_plan_compiles_only_formats_whose_weights_fit_and_follows_the_compiler(m
 
 def test_compile_needs_a_named_target(monkeypatch):
     import clover_jax
-    from clover_jax.api import aot
+    from clover_jax.api import plan as plan_module
 
-    monkeypatch.setattr(aot, "compile_in_subprocess", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(plan_module, "compile_in_subprocess", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match="compile=True needs a named target"):
         clover_jax.plan(CloverConfig.from_dict(SMALL), ["TPU v5e"], compile=True)
 
@@ -243,7 +243,7 @@ def test_plan_reads_only_config_json_of_a_hub_id(monkeypatch, tmp_path):
 
 
 def test_a_compile_job_crosses_into_the_subprocess_as_json():
-    from clover_jax.api.aot import CompileJob
+    from clover_jax.api.compile.decode_loops import CompileJob
 
     job = CompileJob(dataclasses.asdict(CloverConfig.from_dict(SMALL)), "v6e-1", "int4", {"data": 1, "expert": 1,
                      "tensor": 1}, {}, 4096, modes=("diffusion",))

@@ -89,7 +89,7 @@ def test_the_planner_tries_data_first_then_experts_then_the_base_in_host_memory(
     with the compiler's answers given (each compile here would take minutes at Clover-35B's size)."""
     import clover_jax
     from clover_jax.api import train_plan
-    from clover_jax.api.aot import ProgramMemory
+    from clover_jax.api.compile.program_memory import ProgramMemory
     from clover_jax.core.config import CLOVER_35B_A3B
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from clover_jax.training.task import SortDigits
+from clover_jax.training.tiny.sort_digits import SortDigits
 from decoding import generate
 
 COUNT, MAX_GEN_TOKS = 6, 24

@@ -175,7 +175,7 @@ def test_stop_strings_cut_where_they_start_at_any_boundary(stops):
 
 def test_incremental_decoding_puts_together_the_decoded_text():
     import clover_jax
-    from clover_jax.api.tokenization import Tokenizer
+    from clover_jax.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(clover_jax.bundled_model_path())
     rng = np.random.default_rng(0)
