@@ -43,7 +43,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,55 +61,10 @@ setup_environment()
 import numpy as np  # noqa: E402
 
 from benchmarks import serving_burst  # noqa: E402
-from clover_jax import bundled_model_path  # noqa: E402  (no jax: after setup_environment all the same)
+from benchmarks.engine_traffic import BUNDLED_DIR, bundled_requests, closed_loop, random_requests  # noqa: E402
 
-BUNDLED_DIR = str(bundled_model_path())
 CONCURRENCY = (1, 4, 16)
 CEILING_FRACTION = 0.9  # of the forward's batching ceiling, at concurrency 16
-
-
-def closed_loop(engine, requests, concurrency: int) -> dict:
-    """Run `requests` through the engine with `concurrency` clients; per request its tokens and
-    times (submitted, first tokens, finished)."""
-    from decoding.engine import EngineEvent
-
-    count = len(requests)
-    tokens = [[] for _ in range(count)]
-    times = np.zeros((count, 3))
-    nfe = [0] * count
-    state = {"next": 0, "done": 0}
-    lock, finished = threading.Lock(), threading.Event()
-
-    def submit_next():
-        with lock:
-            index = state["next"]
-            if index >= count:
-                return
-            state["next"] += 1
-        times[index, 0] = time.perf_counter()
-        engine.submit(requests[index], lambda event, i=index: listen(i, event))
-
-    def listen(index: int, event: EngineEvent):
-        if event.tokens and not tokens[index]:
-            times[index, 1] = time.perf_counter()
-        tokens[index].extend(event.tokens)
-        if event.finish is not None:
-            times[index, 2] = time.perf_counter()
-            if not times[index, 1]:  # no tokens before the last event: the first came with it
-                times[index, 1] = times[index, 2]
-            nfe[index] = event.stats.nfe
-            with lock:
-                state["done"] += 1
-                if state["done"] == count:
-                    finished.set()
-            submit_next()
-
-    started = time.perf_counter()
-    for _ in range(min(concurrency, count)):
-        submit_next()
-    finished.wait()
-    wall = time.perf_counter() - started
-    return {"wall": wall, "tokens": tokens, "times": times, "nfe": nfe}
 
 
 def one_at_a_time(model, requests) -> dict:
@@ -219,26 +173,6 @@ def measure(name: str, model, requests, rounds: int, warmup: int | None = None) 
     print(f"serving: {name}: the forward's own batching ceiling at {ceiling['slots']} slots {ceiling['ceiling']:.2f}",
           file=sys.stderr)
     return {"requests": len(requests), "results": results, "ratios": ratios, "batching_ceiling": ceiling}
-
-
-def bundled_requests(count: int, max_new_tokens: int):
-    from clover_jax.text.tokenizer import Tokenizer
-    from clover_jax.training.tiny.sort_digits import SortDigits
-    from decoding.engine import EngineRequest
-
-    tokenizer, task = Tokenizer.from_pretrained(BUNDLED_DIR), SortDigits()
-    return [EngineRequest(tokenizer.apply_chat_template([{"role": "user", "content": task.user_message(p)}],
-                                                        add_generation_prompt=True, return_dict=False),
-                          overrides={"max_new_tokens": max_new_tokens})
-            for p in task.held_out(count)]
-
-
-def random_requests(count: int, vocab: int, prompt: int, max_new_tokens: int):
-    from decoding.engine import EngineRequest
-
-    rng = np.random.default_rng(0)
-    return [EngineRequest(rng.integers(2, vocab - 1, int(rng.integers(prompt // 2, prompt + 1))).tolist(),
-                          overrides={"max_new_tokens": max_new_tokens}) for _ in range(count)]
 
 
 def main(argv=None) -> None:

@@ -49,7 +49,7 @@ def run(max_context: int = 128, later: int = 2, max_new_tokens: int = 32) -> dic
 
 def burst(engine, requests) -> float:
     """Submit every request at once (one `submit` each, as concurrent clients do); seconds until the last finishes."""
-    from benchmarks.serving import closed_loop
+    from benchmarks.engine_traffic import closed_loop
 
     return closed_loop(engine, requests, len(requests))["wall"]
 
@@ -67,7 +67,7 @@ def child(max_context: int, later: int, max_new_tokens: int) -> dict:
     setup_environment()
     import numpy as np
 
-    from benchmarks.serving import BUNDLED_DIR, bundled_requests
+    from benchmarks.engine_traffic import BUNDLED_DIR, bundled_requests
     from clover_jax import CloverModel
     from decoding.engine import Engine, precompile
 

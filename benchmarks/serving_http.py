@@ -25,7 +25,7 @@ Per model (the bundled tiny Clover with its task's prompts; the medium random mo
     list of token ids (the completions endpoint takes them as they are), greedy (`temperature`
     0), `max_tokens` as `--new`, the server's default mode (block diffusion);
   * in this process: `generate` one request at a time on the same prompts with the same controls
-    (the baseline), the serving engine in-process at concurrency 16 (`serving.closed_loop`, for
+    (the baseline), the serving engine in-process at concurrency 16 (`engine_traffic.closed_loop`, for
     comparison; `--no-engine` skips it), and `serving.batching_ceiling` (16 one-sequence passes
     over one 16-sequence pass).
 
@@ -72,7 +72,8 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-from benchmarks.serving import BUNDLED_DIR, batching_ceiling, bundled_requests, closed_loop, random_requests  # noqa: E402
+from benchmarks.engine_traffic import BUNDLED_DIR, bundled_requests, closed_loop, random_requests  # noqa: E402
+from benchmarks.serving import batching_ceiling  # noqa: E402
 
 CONCURRENCY = 16
 TARGET = 0.80  # of the forward's batching ceiling, through HTTP, medium model

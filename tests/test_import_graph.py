@@ -16,10 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("clover_jax", "decoding", "weights", "pallas_kernels", "benchmarks", "scripts")
 
-# Left out of the graph until the serving engine's rebuild (issue "[1/5]") lands, which then removes
-# these lines: the engine had a circle (engine <-> precompile) when this test was written and is being
-# rebuilt; its benchmarks still have one (benchmarks/serving <-> serving_burst).
-EXCLUDED = ("decoding/engine/", "benchmarks/serving")
+# Nothing is left out of the graph (the serving engine's rebuild cut the last circles: engine <->
+# precompile, benchmarks/serving <-> serving_burst); a path here would be left out with its reason.
+EXCLUDED: tuple[str, ...] = ()
 
 
 def module_files(root: Path = ROOT, excluded: tuple[str, ...] = EXCLUDED) -> dict[str, Path]:

@@ -13,7 +13,7 @@ import clover_jax
 
 def test_http_closed_loop_answers_every_request_with_generate_alone_text():
     openai = pytest.importorskip("openai")
-    from benchmarks.serving import bundled_requests
+    from benchmarks.engine_traffic import bundled_requests
     from benchmarks.serving_http import http_closed_loop, one_at_a_time
     from clover_jax.api.serving.app import create_app
     from clover_jax.api.serving.server import ServerThread, build_service

@@ -16,10 +16,12 @@ from tests.conftest import MASK_ID, token_ids
 
 def test_auto_takes_kernels_on_accelerators_and_xla_on_cpu():
     assert choose_kernels("auto", "cpu") == KernelChoice("online_softmax", "xla", "xla", "cpu")
-    assert choose_kernels("auto", "cuda") == KernelChoice("dot_product_attention", "pallas", "pallas", "gpu")
-    assert choose_kernels("auto", "tpu") == KernelChoice("online_softmax", "pallas", "pallas", "tpu")
+    assert choose_kernels("auto", "cuda") == KernelChoice("dot_product_attention", "pallas", "pallas", "gpu",
+                                                          pages="pallas")
+    assert choose_kernels("auto", "tpu") == KernelChoice("online_softmax", "pallas", "pallas", "tpu", pages="pallas")
     assert choose_kernels("xla", "tpu") == KernelChoice("online_softmax", "xla", "xla", "tpu")
-    assert choose_kernels("pallas", "cpu") == KernelChoice("dot_product_attention", "pallas", "pallas", "cpu")
+    assert choose_kernels("pallas", "cpu") == KernelChoice("dot_product_attention", "pallas", "pallas", "cpu",
+                                                           pages="pallas")
     assert choose_kernels("pallas", "cpu").interpret and not choose_kernels("auto", "tpu").interpret
     # CPU runs the layer groups unrolled over separate parameter arrays; accelerators scan them.
     from clover_jax.nn.model import layer_loop_for
