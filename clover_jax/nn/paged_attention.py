@@ -49,7 +49,11 @@ def paged_attention(query: jax.Array, key_pages: jax.Array, value_pages: jax.Arr
 def write_pages(pages: jax.Array, group, rows: jax.Array, page: jax.Array, row_in_page: jax.Array) -> jax.Array:
     """pages: [num_groups, num_pages, kv_heads, page_size, head_dim] with `rows` ([T, kv_heads,
     head_dim]) written into group `group` at (page, row_in_page) (int32 [T] each)."""
-    return pages.at[group, page, :, row_in_page].set(rows.astype(pages.dtype))
+    # one head's row at a time (index [T, kv_heads], window [head_dim]): each write is contiguous in the
+    # pool's own layout, which a [kv_heads, head_dim] window is not (TPU: the pool was copied to another
+    # layout and back, two pool-sized temporaries)
+    heads = jnp.arange(pages.shape[2])[None, :]
+    return pages.at[group, page[:, None], heads, row_in_page[:, None]].set(rows.astype(pages.dtype))
 
 
 def paged_kernel(query: jax.Array, pages, group, batch, limit: jax.Array, kernels, mesh_sharding) -> jax.Array:

@@ -31,8 +31,9 @@ from decoding.modes import Mode
 
 @dataclasses.dataclass(frozen=True)
 class AbstractProgram:
-    """One program of the served set: `jax.jit(lambda *a: function(*a, **static)).lower(*args)`
-    compiles it (`function` is the engine's own jitted function; `static` its static arguments)."""
+    """One program of the served set: `function.lower(*args, **static)` compiles it — the engine's
+    own jitted function (its donations included: the state a pass consumes is its output's buffer),
+    `args` its arguments in order (the pass interface, static, among them), `static` its keyword ones."""
 
     program: Program
     function: Callable
@@ -85,19 +86,20 @@ def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Se
             token_ids, batch = layout([], num_tokens=program.tokens, page_table=page_table,
                                       max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
             place = lambda tree: jax.tree_util.tree_map(lambda leaf: whole(_abstract(leaf)), tree)
-            function = functools.partial(decisions.forward, passes)  # the pass interface is static
-            args, static = (params, state, place(token_ids), place(batch), top_p), {"coreset": coreset}
+            function = decisions.forward
+            args, static = (passes, params, state, place(token_ids), place(batch), top_p), {"coreset": coreset}
         elif program.function == "decide_diffusion":
-            function = functools.partial(decisions.decide_diffusion, passes)
-            args = (params, slots.diffusion, hidden, none, none, ids_placed)
+            function = decisions.decide_diffusion
+            args = (passes, params, slots.diffusion, hidden, none, none, ids_placed)
             static = {"block_size": program.block_size, "sample": program.sample, "scores": program.scores}
         elif program.function == "decide_autoregressive":
-            function = functools.partial(decisions.decide_autoregressive, passes)
-            args = (params, slots.autoregressive, hidden, none, ids_placed)
+            function = decisions.decide_autoregressive
+            args = (passes, params, slots.autoregressive, hidden, none, ids_placed)
             static = {"sample": program.sample}
         elif program.function in ("decide_drafts", "decide_verified"):
-            function = functools.partial(getattr(decisions, program.function), passes)
-            args, static = (params, slots.speculative, hidden, none, ids_placed), {"block_size": program.block_size}
+            function = getattr(decisions, program.function)
+            args = (passes, params, slots.speculative, hidden, none, ids_placed)
+            static = {"block_size": program.block_size}
         elif program.function == "put_slot":
             field = fields[program.mode]
             entry = _entry(template(program.mode), field, shapes, ids, config.vocab_size)

@@ -2,7 +2,8 @@
 its path (`clover_jax.parallel.compilers`), so that the calling process never loads them.
 
 `compile_in_subprocess(jobs)` starts `python -m clover_jax.api.compile.worker` with the jobs as JSON
-on stdin (each with its kind: `decode_loops.CompileJob` or `train_step.TrainCompileJob`) and reads
+on stdin (each with its kind: `decode_loops.CompileJob`, `train_step.TrainCompileJob` or
+`served_set.ServedSetJob`) and reads
 one `ProgramMemory` per compiled program back from the last line of stdout.
 """
 
@@ -17,11 +18,13 @@ from typing import Any, Sequence
 
 from clover_jax.api.compile.decode_loops import CompileJob, compile_job
 from clover_jax.api.compile.program_memory import ProgramMemory
+from clover_jax.api.compile.served_set import ServedSetJob, compile_served_set
 from clover_jax.api.compile.train_step import TrainCompileJob, compile_train_job
 
 # Each kind of job: how it is read back from JSON, and how it is compiled.
 JOBS = {CompileJob.KIND: (CompileJob.from_json, compile_job),
-        TrainCompileJob.KIND: (TrainCompileJob.from_json, compile_train_job)}
+        TrainCompileJob.KIND: (TrainCompileJob.from_json, compile_train_job),
+        ServedSetJob.KIND: (ServedSetJob.from_json, compile_served_set)}
 
 
 def compile_in_subprocess(jobs: Sequence[Any], timeout: float | None = None) -> list[dict[str, ProgramMemory]]:
