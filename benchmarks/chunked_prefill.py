@@ -63,7 +63,7 @@ def measure(model, *, running: int, prompt: int, balance: bool, window: int) -> 
         first = engine.steps
         while engine.steps < first + window and time.monotonic() < deadline:
             time.sleep(0.05)
-        without = [seconds for _, seconds, _, prompt_rows in list(engine.passes)[-window:] if not prompt_rows]
+        without = [record.seconds for record in list(engine.passes)[-window:] if not record.prompt_rows]
         arrived, first_token = time.monotonic(), threading.Event()
         stamp = {}
 
@@ -74,8 +74,8 @@ def measure(model, *, running: int, prompt: int, balance: bool, window: int) -> 
 
         engine.submit(long, listen)
         first_token.wait(3600)
-        during = [(seconds, rows, prompt_rows) for start, seconds, rows, prompt_rows in engine.passes
-                  if arrived <= start and start + seconds <= stamp["at"]]
+        during = [record for record in engine.passes
+                  if arrived <= record.start and record.start + record.seconds <= stamp["at"]]
         for handle in handles:
             handle.cancel()
         while engine.running():
@@ -85,11 +85,11 @@ def measure(model, *, running: int, prompt: int, balance: bool, window: int) -> 
         alone = time.monotonic() - started
         compiled = engine.steps
     busy = stamp["at"] - arrived
-    step_without, step_during = median(without), median([seconds for seconds, _, _ in during])
+    step_without, step_during = median(without), median([record.seconds for record in during])
     return {"balance_prefill": balance, "running": running, "prompt_tokens": prompt,
             "step_without_s": step_without, "step_during_prefill_s": step_during,
             "step_ratio": ratio(step_during, step_without), "passes_during_prefill": len(during),
-            "prompt_rows_per_pass": [prompt_rows for _, _, prompt_rows in during],
+            "prompt_rows_per_pass": [record.prompt_rows for record in during],
             "first_token_busy_s": busy, "first_token_alone_s": alone, "first_token_ratio": ratio(busy, alone),
             "passes": compiled, "compiled_on_demand": engine.compiled_on_demand}
 

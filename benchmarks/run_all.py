@@ -4,7 +4,9 @@ summary table of the headline figures and ratios, one table per benchmark, and e
 full JSON output.
 
 Scripts: decoding.py, serving.py (the serving engine against `generate` one request at a time),
-serving_http.py (the server in a subprocess under 16 `openai` clients, against the same baseline),
+serving_burst.py (`clover-jax serve --precompile` with default flags on the bundled and medium
+models, then a first burst against later ones), chunked_prefill.py (a long prompt's prefill beside
+running requests), serving_http.py (the server in a subprocess under 16 `openai` clients, against the same baseline),
 prefix_cache.py (an agent's growing transcript with and without the engine's prefix cache), soak.py
 (one server under a thousand mixed requests: memory, leftovers, errors), training.py, lora.py (LoRA
 and QLoRA against full fine-tuning)
@@ -13,7 +15,8 @@ forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.
 load_orbax.py (the last two with their own defaults), roofline.py
 (arithmetic only), compile_targets.py (Clover-35B compiled for every named accelerator; about
 half an hour on 2 cores), train_compile.py (Clover-35B's train step compiled for the fine-tuning
-configurations of docs/training.md, "What fits where"). A script that fails is reported in the
+configurations of docs/training.md, "What fits where"), serve_compile.py (Clover-35B's served set
+compiled for the H200, v5e-8 and v6e-1 serving commands). A script that fails is reported in the
 document with its exit status and the tail of its stderr; the others still run.
 
 Targets: each script lists its `checks` (a figure, its target, and, where the script can work it
@@ -45,11 +48,12 @@ from benchmarks.sections import RENDER, TITLES, bound_text, f, table  # noqa: E4
 
 setup_environment()
 
-SCRIPTS = ["decoding", "serving", "serving_http", "prefix_cache", "soak", "training", "lora", "forward_cost",
-           "expert_scaling", "context_scaling", "compile",
-           "moe_scaling", "load", "load_orbax", "roofline", "compile_targets", "train_compile"]
-QUICK_ARGS = {"load": ["--gigabytes", "0.4", "--repetitions", "1"], "load_orbax": ["--gigabytes", "0.4",
-                                                                                   "--repetitions", "1"]}
+SCRIPTS = ["decoding", "serving", "serving_burst", "chunked_prefill", "serving_http", "prefix_cache", "soak",
+           "training", "lora", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling", "load",
+           "load_orbax", "roofline", "compile_targets", "train_compile", "serve_compile"]
+QUICK_ARGS = {"serving_burst": ["--models", "bundled", "--later", "1", "--new", "16"],
+              "load": ["--gigabytes", "0.4", "--repetitions", "1"],
+              "load_orbax": ["--gigabytes", "0.4", "--repetitions", "1"]}
 
 
 def run_script(name: str, quick: bool) -> dict:

@@ -113,17 +113,62 @@ def render_serving(j: dict):
         if "concurrency_16_over_ceiling" in result["ratios"]:
             summary.append(["serving", f"{model}: that gain / the forward's batching ceiling",
                             f(result["ratios"]["concurrency_16_over_ceiling"])])
-    burst = j.get("first_burst")
-    if burst:
-        lines += [f"**First burst after precompile** (bundled model, a fresh process with an empty compilation cache, "
-                  f"{burst['burst']} concurrent requests, max_context {burst['max_context']}): "
-                  f"{burst['precompiled_programs']} programs precompiled in {f(burst['precompile_seconds'])} s "
-                  f"({burst['precompiled_set']}); first burst {f(burst['first_burst_s'])} s, later bursts "
-                  f"{', '.join(f(t) for t in burst['later_bursts_s'])} s, the same requests one by one "
-                  f"{f(burst['one_by_one_s'])} s; {burst['compiled_on_demand_total']} programs compiled on demand.", ""]
-        summary += [["serving", "first burst after precompile / a later burst", f(burst["first_over_later"])],
-                    ["serving", "first burst after precompile / one by one", f(burst["first_over_one_by_one"])]]
+        kv = result.get("kv_cache")
+        if kv:
+            over = kv["page_positions_over_positions_held"]
+            lines += [f"K/V in use at concurrency 16 ({kv['passes']} passes): the running requests' pages hold "
+                      f"{f(over['median'])}x the positions their states hold (median; at most {f(over['max'])}: "
+                      f"each request's last page and the block it denoises), pages of {kv['page_size']} positions "
+                      f"({kv['page_bytes']} bytes over the attention layers); at most {kv['max_pages_in_use']} of "
+                      f"the pool's {kv['pool_pages']} pages in use, the prefix cache's included.", ""]
     return lines, summary
+
+
+def render_serving_burst(j: dict):
+    rows = [[r["model"], r["precompiled_programs"], r["planned_with_a_forward"], f(r["precompile_seconds"]),
+             f"{r['memory_mappings']['held']:,} / {r['memory_mappings']['limit']:,}" if r["memory_mappings"] else "—",
+             f(r["first_burst_s"]), ", ".join(f(t) for t in r["later_bursts_s"]), f(r["one_by_one_s"]),
+             f(r["first_over_later"]), r["programs_compiled_after_precompile"]] for r in j["records"]]
+    lines = table(["model", "programs precompiled", "with a forward", "precompile s", "memory mappings / limit",
+                   "first burst s", "later bursts s", "one by one s", "first / later", "compiled after"], rows)
+    first = j["records"][0]
+    lines += [f"The engine `clover-jax serve` starts with default flags ({first['max_running']} running, block sizes "
+              f"{'/'.join(map(str, first['block_sizes']))}, the model's whole context, prefix cache on), "
+              f"`--precompile` (every mode), in a fresh process with an empty compilation cache; bursts of "
+              f"{first['burst']} concurrent requests of {first['max_new_tokens']} new tokens, distinct prompts.", ""]
+    summary = [["serving_burst", f"{r['model']}: first burst after serve --precompile / a later burst",
+                f(r["first_over_later"])] for r in j["records"]]
+    return lines, summary
+
+
+def render_chunked_prefill(j: dict):
+    rows = [["balanced" if r["balance_prefill"] else "whole prefill budget", r["running"], r["prompt_tokens"],
+             f(1e3 * r["step_without_s"]), f(1e3 * r["step_during_prefill_s"]), f(r["step_ratio"]),
+             r["passes_during_prefill"], f(r["first_token_busy_s"]), f(r["first_token_alone_s"]),
+             f(r["first_token_ratio"]), r["compiled_on_demand"]] for r in j["runs"]]
+    lines = table(["prefill rows a pass", "running", "prompt tokens", "pass ms without", "pass ms during prefill",
+                   "ratio", "passes to first token", "first token s beside them", "first token s alone", "ratio",
+                   "compiled on demand"], rows)
+    lines += [f"The {j['model']} model; the running requests decode block diffusion (block 16) while the prompt "
+              "arrives, decoded autoregressively so that its first token comes with its prefill.", ""]
+    balanced = j["runs"][0]
+    return lines, [["chunked_prefill", "running requests' pass while a prompt prefills / without it",
+                    f(balanced["step_ratio"])],
+                   ["chunked_prefill", "the prompt's first token beside them / alone",
+                    f(balanced["first_token_ratio"])]]
+
+
+def render_serve_compile(j: dict):
+    rows = [[r["set"], r["target"], r["quantize"] or "bfloat16", "/".join(map(str, r["block_sizes"])),
+             r["max_running"], r["max_context"], r["programs"], r["with_a_forward"],
+             f(r["compile_seconds"] / 60), f"{r['slowest'][0]} ({f(r['slowest'][1])} s)",
+             f"{r['peak_bytes'][0]} ({f(r['peak_bytes'][1] / 2**30)} GiB)", len(r["refused"])] for r in j["runs"]]
+    lines = table(["set", "target", "weights", "block sizes", "running", "context", "programs", "with a forward",
+                   "compile minutes", "slowest program", "most bytes per device", "refused"], rows)
+    lines += ["Every program of the served set compiled by the target's own compiler from this host, with no device "
+              "(a cold cache: nothing reused).", ""]
+    return lines, [["serve_compile", f"{r['set']}: served set compile minutes", f(r["compile_seconds"] / 60)]
+                   for r in j["runs"]]
 
 
 def render_serving_http(j: dict):
@@ -430,7 +475,9 @@ def render_lora(j: dict):
     return lines, [["lora", f"{r['method']}: held-out exact match", f(r["full_match"])] for r in j["results"]]
 
 
-RENDER = {"decoding": render_decoding, "serving": render_serving, "serving_http": render_serving_http,
+RENDER = {"decoding": render_decoding, "serving": render_serving, "serving_burst": render_serving_burst,
+          "chunked_prefill": render_chunked_prefill, "serve_compile": render_serve_compile,
+          "serving_http": render_serving_http,
           "prefix_cache": render_prefix_cache,
           "training": render_training,
           "soak": render_soak, "lora": render_lora,
@@ -443,6 +490,10 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
                       "(`benchmarks/decoding.py`)",
           "serving": "Serving: the continuous-batching engine vs `generate` one request at a time "
                      "(`benchmarks/serving.py`)",
+          "serving_burst": "Serving: `clover-jax serve --precompile` with default flags, then a first burst "
+                           "(`benchmarks/serving_burst.py`)",
+          "chunked_prefill": "Chunked prefill beside running requests (`benchmarks/chunked_prefill.py`)",
+          "serve_compile": "Clover-35B's served set compiled for its accelerators (`benchmarks/serve_compile.py`)",
           "serving_http": "Serving through HTTP: the server under 16 `openai` clients vs `generate` one at a time "
                           "(`benchmarks/serving_http.py`)",
           "prefix_cache": "Prefix cache: an agent's growing transcript with and without it "

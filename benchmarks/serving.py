@@ -28,9 +28,9 @@ engine's gain over one at a time reaches >= 90% of that ceiling, on each model. 
 a commit pass of all 16 sequences for every plain one; the engine's ragged pass holds a commit's
 rows only for the slots that commit, so it can pass 100% of this ceiling.)
 
-Then, in a fresh process with an empty compilation cache (`benchmarks/serving_burst.py`): after
-`Engine.precompile`, the first burst of 16 concurrent requests takes <= 1.15x a later burst of the
-same shape (distinct prompts); its ratio to the same requests one by one is reported beside it.
+The K/V pages the running requests hold are reported against the positions their states hold,
+over the passes of the last concurrency-16 run (`Engine.passes`). The first burst after
+`clover-jax serve --precompile` is `benchmarks/serving_burst.py`'s.
 
 Usage: `python benchmarks/serving.py [--rounds 2] [--requests 32] [--medium-requests 48]
 [--medium-rounds 1] [--quick]`.
@@ -60,7 +60,6 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-from benchmarks import serving_burst  # noqa: E402
 from benchmarks.engine_traffic import BUNDLED_DIR, bundled_requests, closed_loop, random_requests  # noqa: E402
 
 CONCURRENCY = (1, 4, 16)
@@ -99,8 +98,8 @@ def summary(runs: dict, reference: list) -> dict:
 
 def batching_ceiling(engine, requests, slots: int = max(CONCURRENCY), repeats: int = 30) -> dict:
     """What batching gains in the forward itself: `slots` one-sequence passes over one pass of
-    `slots` sequences (a denoising pass and a commit + denoise pass, each compiled alone, on a
-    cache of the lane's size for these requests). The engine at concurrency `slots` can show at
+    `slots` sequences (a denoising pass and a commit + denoise pass of `generate`'s decode loop,
+    each compiled alone, on a contiguous cache of these requests' length). The engine at concurrency `slots` can show at
     most about this ratio over `generate` one at a time, even with no host work at all: its
     requests run the same passes, batched. Medians of `repeats` timed calls."""
     import jax
@@ -154,8 +153,17 @@ def measure(name: str, model, requests, rounds: int, warmup: int | None = None) 
         def methods_on(chosen):
             methods = {"generate_one_at_a_time": lambda: one_at_a_time(model, chosen)}
             for concurrency in CONCURRENCY:
-                methods[f"engine_concurrency_{concurrency}"] = lambda c=concurrency: closed_loop(engine, chosen, c)
+                methods[f"engine_concurrency_{concurrency}"] = lambda c=concurrency: logged(c, chosen)
             return methods
+
+        kv_records = []
+
+        def logged(concurrency, chosen):
+            first = len(engine.passes)
+            run = closed_loop(engine, chosen, concurrency)
+            if concurrency == max(CONCURRENCY):
+                kv_records[:] = list(engine.passes)[first:]
+            return run
 
         print(f"serving: {name}: warm-up (compiles every shape) ...", file=sys.stderr)
         for method in methods_on(requests[:warmup]).values():
@@ -164,6 +172,7 @@ def measure(name: str, model, requests, rounds: int, warmup: int | None = None) 
         reference = runs["generate_one_at_a_time"]["last"]["tokens"]
         results = {method: summary(run, reference) for method, run in runs.items()}
         ceiling = batching_ceiling(engine, requests)
+        kv = kv_in_use(engine, kv_records)
     finally:
         engine.close()
     base = results["generate_one_at_a_time"]["tokens_per_s"]
@@ -172,7 +181,24 @@ def measure(name: str, model, requests, rounds: int, warmup: int | None = None) 
     print(f"serving: {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), file=sys.stderr)
     print(f"serving: {name}: the forward's own batching ceiling at {ceiling['slots']} slots {ceiling['ceiling']:.2f}",
           file=sys.stderr)
-    return {"requests": len(requests), "results": results, "ratios": ratios, "batching_ceiling": ceiling}
+    return {"requests": len(requests), "results": results, "ratios": ratios, "batching_ceiling": ceiling,
+            "kv_cache": kv}
+
+
+def kv_in_use(engine, records) -> dict:
+    """The K/V pages the running requests held against the positions their states held, over the
+    passes of the last run at the highest concurrency (`Engine.passes`): a request takes a page as
+    its positions reach it, so the pages follow the positions, up to each request's last page
+    and the block it denoises (pages are taken for its rows before they are committed)."""
+    page = engine.shapes.page_size
+    busy = [record for record in records if record.positions_held]
+    over = [record.request_pages * page / record.positions_held for record in busy]
+    step = max(1, len(busy) // 24)
+    return {"page_size": page, "page_bytes": engine.page_bytes, "pool_pages": engine.shapes.num_pages - 1,
+            "passes": len(busy), "max_pages_in_use": max((r.pages_in_use for r in records), default=0),
+            "page_positions_over_positions_held": {"median": float(np.median(over)) if over else None,
+                                                   "max": max(over, default=None)},
+            "samples": [[r.positions_held, r.request_pages, r.pages_in_use] for r in busy[::step]]}
 
 
 def main(argv=None) -> None:
@@ -217,21 +243,11 @@ def main(argv=None) -> None:
                          f"{result['batching_ceiling']['ceiling']:.2f}x (16 one-sequence passes over one "
                          "16-sequence pass, measured in this run)")
               for name, result in models.items()]
-    burst = None
-    if not args.quick:
-        print("serving: first burst after precompile (fresh process, empty compilation cache) ...", file=sys.stderr)
-        burst = serving_burst.run()
-        checks.append(check("serving: first burst of 16 after precompile / a later burst (bundled)",
-                            burst["first_over_later"], serving_burst.TARGET, False,
-                            note=f"first burst / one by one {burst['first_over_one_by_one']:.2f}; "
-                                 f"{burst['precompiled_programs']} programs precompiled in "
-                                 f"{burst['precompile_seconds']:.0f} s; {burst['compiled_on_demand_total']} compiled "
-                                 "on demand during the bursts"))
     checks += [check(f"serving tokens equal generate alone ({name}), fraction of requests",
                      result["results"]["engine_concurrency_16"]["equal_to_generate_alone"], 1.0, True)
                for name, result in models.items()]
     emit({"benchmark": "serving", "quick": args.quick, "rounds": args.rounds, "max_new_tokens": args.new,
-          "concurrency": list(CONCURRENCY), "models": models, "first_burst": burst, "checks": checks,
+          "concurrency": list(CONCURRENCY), "models": models, "checks": checks,
           "machine": machine()})
 
 

@@ -251,7 +251,7 @@ def check_engine(shapes: dict, groups: int) -> dict:
             engine.run([request(k) for k in range(count)], timeout=1800)  # compiles the passes they meet
             first = len(engine.passes)
             engine.run([request(100 + k) for k in range(count)], timeout=1800)
-            decoding = [seconds for _, seconds, _, prompt_rows in list(engine.passes)[first:] if not prompt_rows]
+            decoding = [record.seconds for record in list(engine.passes)[first:] if not record.prompt_rows]
             out[f"pass_ms_{count}_slots"] = round(1e3 * statistics.median(decoding), 2) if decoding else None
     return out
 

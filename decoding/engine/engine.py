@@ -43,7 +43,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +123,18 @@ class Handle:
 
     def cancel(self) -> None:
         self._engine.cancel(self)
+
+
+class PassRecord(NamedTuple):
+    """One pass of the engine, as `Engine.passes` logs it."""
+
+    start: float           # monotonic seconds when it began
+    seconds: float         # its wall time, decisions included
+    rows: int              # token rows it ran (before padding)
+    prompt_rows: int       # of them, prefill rows
+    pages_in_use: int      # K/V pages of the pool in use after it (by requests and the prefix cache)
+    request_pages: int     # of them, the pages the running requests hold (a shared page once)
+    positions_held: int    # positions the running requests' states hold after it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +237,7 @@ class Engine:
         self._numbers = itertools.count()
         self._closed = False
         self.steps = 0                                             # passes run
-        # the latest passes: (monotonic start, seconds, tokens, prompt tokens among them) each
+        # the latest passes, as `PassRecord`s
         self.passes: collections.deque = collections.deque(maxlen=4096)
         self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
         self.compiled_on_demand = 0                                 # programs compiled after it (logged)
@@ -361,6 +373,14 @@ class Engine:
     def kv_pages_in_use(self) -> int:
         """K/V pages held by requests or the prefix cache (the pool's pages less the free ones)."""
         return self.pool.in_use
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the K/V pages in use, over every attention layer (`kv_pages_in_use` pages)."""
+        return self.pool.in_use * self.page_bytes
+
+    def kv_bytes_capacity(self) -> int:
+        """Bytes of the pages the pool can hand out."""
+        return self.pool.capacity * self.page_bytes
 
     def close(self) -> None:
         """Stop the loop; requests still queued or held finish with "shutdown"."""
@@ -522,8 +542,10 @@ class Engine:
             return
         self.steps += 1
         self._apply(ran, reports)
-        rows = sum(len(work.causal) + len(work.block) for work in works)
-        self.passes.append((started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran)))
+        held = self._held.values()
+        self.passes.append(PassRecord(started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran),
+                                      self.pool.in_use, len({page for t in held for page in t.pages}),
+                                      sum(t.filled for t in held)))
 
     def _decide(self, hidden, ran: list[Tracked]) -> dict:
         """Every decision the pass's requests need, run on the device; their reports on the host. A

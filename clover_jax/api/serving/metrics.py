@@ -48,6 +48,14 @@ class Metrics:
         queued.set_function(engine.queued)
         running = Gauge("clover_running_requests", "Requests prefilling or decoding", registry=registry)
         running.set_function(engine.running)
+        # The pool's pages follow the tokens held (requests take pages as their positions grow), so
+        # these two show how full the K/V cache is and whether `--kv-cache-gb` is sized well.
+        kv_in_use = Gauge("clover_kv_cache_bytes_in_use", "Bytes of the K/V page pool held by requests and the "
+                          "prefix cache", registry=registry)
+        kv_in_use.set_function(engine.kv_bytes_in_use)
+        kv_capacity = Gauge("clover_kv_cache_bytes", "Bytes of the K/V page pool (its pages that can be held)",
+                            registry=registry)
+        kv_capacity.set_function(engine.kv_bytes_capacity)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -50,7 +50,6 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     from clover_jax.core.hub import resolve_checkpoint
     from clover_jax.model.clover_model import CloverModel
     from clover_jax.text.tokenizer import Tokenizer
-    from decoding.engine import Engine
 
     config = CloverConfig.from_pretrained(resolve_checkpoint(path, revision, require=("config.json",)))
     placement = resolve_placement(config, quantize=quantize, mesh=mesh, target=target, batch=max_running,
@@ -59,13 +58,24 @@ def build_service(path: str, *, name: str | None = None, max_running: int = 8, m
     tokenizer = Tokenizer.from_pretrained(adapter) if adapter else Tokenizer.from_pretrained(path, revision=revision)
     model = CloverModel.from_pretrained(path, dtype=dtype, revision=revision, progress=progress, adapter=adapter,
                                         **placement.load_options())
+    engine = start_engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
+                          block_sizes=block_sizes, prefix_cache_bytes=prefix_cache_bytes,
+                          prefix_cache_grid=prefix_cache_grid, kv_cache_bytes=kv_cache_bytes)
+    return Service(model, tokenizer, engine, name or str(path), engine.block_sizes)
+
+
+def start_engine(model, *, max_running: int = 8, max_queue: int = 64, max_context: int | None = None,
+                 block_sizes: tuple[int, ...] | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 prefix_cache_grid: int = DEFAULT_GRID, kv_cache_bytes: int | None = None):
+    """The engine `clover-jax serve` runs over a loaded `CloverModel`, with the server's defaults
+    (`build_service`'s arguments; block sizes: the checkpoint's, 16, 32 and 64)."""
+    from decoding.engine import Engine
     from decoding.validation import model_defaults
 
     sizes = tuple(block_sizes) if block_sizes else (model_defaults(model).block_size, *DEFAULT_BLOCK_SIZES)
-    engine = Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
-                    prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid, block_sizes=sizes,
-                    kv_cache_bytes=kv_cache_bytes)
-    return Service(model, tokenizer, engine, name or str(path), engine.block_sizes)
+    return Engine(model, max_running=max_running, max_queue=max_queue, max_context=max_context,
+                  prefix_cache_bytes=prefix_cache_bytes, prefix_cache_grid=prefix_cache_grid, block_sizes=sizes,
+                  kv_cache_bytes=kv_cache_bytes)
 
 
 def warm_up(service: Service) -> float:

@@ -256,7 +256,7 @@ def test_output_neutral_fields_are_accepted_and_the_others_refused_by_name(tools
 
 
 def test_metrics_parse_and_count_requests_and_request_ids_are_echoed(tools_server):
-    server, _ = tools_server
+    server, service = tools_server
 
     def samples() -> dict:
         text = httpx.get(server.url + "/metrics").text
@@ -279,6 +279,11 @@ def test_metrics_parse_and_count_requests_and_request_ids_are_echoed(tools_serve
                  "clover_tokens_per_forward_count"):
         assert after[(name, ())] >= before.get((name, ()), 0) + 1, name
     assert after[("clover_queue_length", ())] == 0 and after[("clover_running_requests", ())] == 0
+    # nothing running now: the pages in use are the prefix cache's, whole pages of the pool
+    engine = service.engine
+    capacity, in_use = after[("clover_kv_cache_bytes", ())], after[("clover_kv_cache_bytes_in_use", ())]
+    assert capacity == (engine.shapes.num_pages - 1) * engine.page_bytes
+    assert in_use == engine.kv_pages_in_use() * engine.page_bytes and in_use % engine.page_bytes == 0
     assert ("clover_prefix_cache_hits_total", ()) in after
 
 
