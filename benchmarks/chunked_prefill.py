@@ -74,7 +74,7 @@ def measure(model, *, running: int, prompt: int, balance: bool, window: int) -> 
 
         engine.submit(long, listen)
         first_token.wait(3600)
-        during = [record for record in engine.passes
+        during = [record for record in list(engine.passes)
                   if arrived <= record.start and record.start + record.seconds <= stamp["at"]]
         for handle in handles:
             handle.cancel()

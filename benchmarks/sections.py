@@ -172,8 +172,8 @@ def render_serve_compile(j: dict):
 
 
 def render_serving_http(j: dict):
-    lines = [f"The server in its own process (prefix cache off, max_context "
-             f"{j['max_context']}) under {j['concurrency']} threads of the `openai` client in a closed loop "
+    lines = [f"The server in its own process (prefix cache off, the model's whole context) under "
+             f"{j['concurrency']} threads of the `openai` client in a closed loop "
              f"(`/v1/completions`, prompts as token ids, greedy, max_tokens {j['max_tokens']}); the same requests "
              "through `generate` one at a time and through the engine in-process; the forward's batching ceiling "
              f"measured in the same run; {j['rounds']} rounds, medians.", ""]

@@ -4,22 +4,18 @@ against the same requests through `generate` one at a time and the forward's own
 Per model (the bundled tiny Clover with its task's prompts; the medium random model of
 `forward_cost.py` with random prompts, as in `benchmarks/serving.py`), in one run:
 
-  * the server in a subprocess on a free 127.0.0.1 port: `clover-jax serve --precompile diffusion
-    --max-running 16 --max-context 128 --block-sizes B --prefix-cache-gb 0` (B: the checkpoint's
-    block size; its other settings the defaults). The precompile names block diffusion, the mode
-    every request here uses (92 programs on the bundled model: every lane size up to 16 and cache bucket up to 128,
-    greedy and sampled); every mode (`--precompile` alone) is 279 programs at these settings, more
-    than a CPU process's 65,530 memory mappings hold (measured on the bundled model: the
-    precompile stopped itself at 52,467 mappings). The prefix cache is off: every method runs the
-    same requests more than once (a warm-up, then rounds), and the cache would answer the
-    repeats' prompts from the earlier runs, a different computation from `generate`'s and the
-    in-process engine's (`prefix_cache.py` measures the cache). On the medium model the diffusion
-    set is 80 programs and took 36 minutes on 2 shared cores (2026-12-06);
-    `--no-precompile` serves after the command line's default warm-up request instead (the same
-    code with the engine's on-demand log turned on), and the untimed warm-up run compiles what the
-    rounds need (the programs compiled during the timed rounds are counted from the server's log
-    either way). The port opens after the precompile, so `/health` answering means it finished;
-    the program count and seconds are read from the server's log;
+  * the server in a subprocess on a free 127.0.0.1 port: `clover-jax serve --precompile
+    --max-running 16 --block-sizes B --prefix-cache-gb 0` (B: the checkpoint's block size; its other
+    settings the defaults, the model's whole context among them). The precompile compiles every
+    mode's programs (41 or fewer: a forward per token padding, whatever the context). The prefix
+    cache is off: every method runs the same requests more than once (a warm-up, then rounds),
+    and the cache would answer the repeats' prompts from the earlier runs, a different
+    computation from `generate`'s and the in-process engine's (`prefix_cache.py` measures the
+    cache). `--no-precompile` serves after the command line's default warm-up request instead
+    (the same code with the engine's on-demand log turned on), and the untimed warm-up run
+    compiles what the rounds need (the programs compiled during the timed rounds are counted
+    from the server's log either way). The port opens after the precompile, so `/health`
+    answering means it finished; the program count and seconds are read from the server's log;
   * 16 client threads sharing one `openai.OpenAI` client in a closed loop: each sends its next
     `/v1/completions` request the moment its previous one is answered. The prompt is sent as a
     list of token ids (the completions endpoint takes them as they are), greedy (`temperature`
@@ -77,7 +73,6 @@ from benchmarks.serving import batching_ceiling  # noqa: E402
 
 CONCURRENCY = 16
 TARGET = 0.80  # of the forward's batching ceiling, through HTTP, medium model
-MAX_CONTEXT = 128
 PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([0-9.]+) s")
 ON_DEMAND = re.compile(r"compiled (\d+) program\(s\) on demand")
 
@@ -102,9 +97,9 @@ def serve_child(model_dir: str, name: str, port: int, max_queue: int, block_size
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")  # programs compiled on demand
     service = build_service(model_dir, name=name, max_running=CONCURRENCY, max_queue=max_queue,
-                            max_context=MAX_CONTEXT, block_sizes=(block_size,), prefix_cache_bytes=0)
+                            block_sizes=(block_size,), prefix_cache_bytes=0)
     if precompile:
-        done = service.engine.precompile(["diffusion"], block_sizes=service.block_sizes)
+        done = service.engine.precompile(block_sizes=service.block_sizes)
     else:
         done = service.engine.precompiled = Precompiled(0, warm_up(service), "nothing: one warm-up request")
     print(f"clover-jax serve: precompiled {done.programs} programs in {done.seconds:.1f} s ({done.covers})",
@@ -122,8 +117,8 @@ class Server:
         if precompile:  # the command line itself
             self.command = [sys.executable, "-m", "clover_jax.api.cli", "serve", "--model", model_dir,
                             "--served-model-name", name, "--port", str(self.port), "--max-running", str(CONCURRENCY),
-                            "--max-queue", str(max_queue), "--max-context", str(MAX_CONTEXT),
-                            "--block-sizes", str(block_size), "--prefix-cache-gb", "0", "--precompile", "diffusion"]
+                            "--max-queue", str(max_queue), "--block-sizes", str(block_size),
+                            "--prefix-cache-gb", "0", "--precompile"]
         else:
             self.command = [sys.executable, os.path.abspath(__file__), "--serve", model_dir, "--name", name,
                             "--port", str(self.port), "--max-queue", str(max_queue), "--block-size", str(block_size),
@@ -358,9 +353,8 @@ def main(argv=None) -> None:
     parser.add_argument("--new", type=int, default=32, help="max_tokens of every request")
     parser.add_argument("--no-engine", action="store_true", help="skip the in-process engine's run")
     parser.add_argument("--no-precompile", action="store_true",
-                        help="the server warms up instead of precompiling (the medium model's precompile took 36 "
-                             "minutes on 2 shared cores); the warm-up run compiles what the rounds need, and the "
-                             "programs compiled during the rounds are counted")
+                        help="the server warms up instead of precompiling; the warm-up run compiles what the rounds "
+                             "need, and the programs compiled during the rounds are counted")
     parser.add_argument("--models", nargs="+", choices=("bundled", "medium"), default=["bundled", "medium"],
                         help="which models to measure, in this order (--quick: bundled)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the bundled model only, few requests")
@@ -396,7 +390,7 @@ def main(argv=None) -> None:
                  f"generate alone for {result['results']['http_concurrency_16']['text_equal_to_generate_alone']:.0%} "
                  "of the requests"))
     emit({"benchmark": "serving_http", "quick": args.quick, "rounds": args.rounds, "max_tokens": args.new,
-          "concurrency": CONCURRENCY, "max_context": MAX_CONTEXT, "models": models, "checks": checks,
+          "concurrency": CONCURRENCY, "models": models, "checks": checks,
           "machine": machine()})
 
 

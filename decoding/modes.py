@@ -4,8 +4,9 @@ A mode is a `Mode` (a `StrEnum`: `mode="diffusion"` as a string still works, and
 the HTTP field send the string); `strategy(mode)` converts it once at a public boundary and
 returns the mode's `ModeStrategy`, which answers what callers would otherwise compute by
 comparing mode names: which options it takes, how many positions and cache rows a request
-needs, and what the engine's lane for it holds. The loop each mode runs is
-`decoding.layouts.LOOP_CALLS[mode]`; its engine lane `decoding.engine.lanes.LANES[mode]`.
+needs, and what the engine's slots hold for it. The loop each mode runs is
+`decoding.layouts.LOOP_CALLS[mode]`; its decisions in the serving engine are
+`decoding.engine.decisions`.
 """
 
 from __future__ import annotations

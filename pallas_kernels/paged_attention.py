@@ -14,7 +14,8 @@ matrix ([tile_rows x group, head_dim]), so each page block is one matmul for the
 
 Two drivers (`pallas_kernels.platforms`):
 * "tpu": grid (tiles, kv heads), the pages copied from HBM by DMA into a double buffer (the next
-  block's copy runs while the current one is reduced), the page table's row copied into SMEM;
+  block's copy runs while the current one is reduced), the whole page table prefetched into SMEM
+  (so at most `TPU_TABLE_ENTRIES` entries, slots x pages per slot: SMEM is about 1 MiB a core);
 * "gpu": grid (tiles, kv heads), a loop over the pages inside the kernel, each page loaded from
   global memory where the table points.
 Both run in interpret mode on a CPU (the tests). The oracle is `paged_attention_reference`.
@@ -35,8 +36,11 @@ from jax.experimental.pallas import tpu as pltpu, triton as pltriton
 
 from pallas_kernels.platforms import Variant, per_platform
 
-__all__ = ["TILE_ROWS", "paged_attention", "tile_pages"]
+__all__ = ["TILE_ROWS", "TPU_TABLE_ENTRIES", "paged_attention", "tile_pages"]
 
+# Half of a TPU core's ~1 MiB of SMEM (int32 entries), the rest left to the other scalars and the
+# compiler: 16 slots of 131,072 positions in pages of 16 use all of it.
+TPU_TABLE_ENTRIES = 131072
 TILE_ROWS = 16          # rows of a tile: with Clover's group of 8 query heads a key/value head, 128 query rows
 PAGES_PER_BLOCK = 8     # pages reduced per step of the online softmax (TPU: per DMA buffer)
 
@@ -108,6 +112,10 @@ def _tpu_call(grouped_shape, pages_shape, table_shape, per_block, dtype, interpr
     _, _, _, page_size, _ = pages_shape
     pages_per_slot = table_shape[1]
     block_keys = per_block * page_size
+    if table_shape[0] * pages_per_slot > TPU_TABLE_ENTRIES:
+        raise ValueError(f"the page table ({table_shape[0]} slots x {pages_per_slot} pages) exceeds the "
+                         f"{TPU_TABLE_ENTRIES:,} entries the TPU kernel keeps in SMEM; serve fewer slots or a "
+                         "shorter context, or use larger pages (the engine's page_size)")
 
     def kernel(group_ref, slot_ref, pages_ref, table_ref, query_ref, limit_ref, *refs):
         key_hbm, value_hbm, out_ref, key_buffer, value_buffer, copies = refs
@@ -166,7 +174,6 @@ def _tpu_call(grouped_shape, pages_shape, table_shape, per_block, dtype, interpr
         scratch_shapes=[pltpu.VMEM((2, per_block, page_size, head_dim), dtype),
                         pltpu.VMEM((2, per_block, page_size, head_dim), dtype),
                         pltpu.SemaphoreType.DMA((2, 2))])
-    del pages_per_slot  # the table is read whole from SMEM
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(grouped_shape, dtype),
         compiler_params=None if interpret else pltpu.CompilerParams(

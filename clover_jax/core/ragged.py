@@ -242,6 +242,8 @@ def layout(works: list[SlotWork], *, num_tokens: int, page_table, max_block: int
             raise ValueError(f"slot {work.slot} appears twice or is not one of the {num_slots} slots")
         seen.add(work.slot)
         count = len(work.causal) + len(work.block)
+        if any(not 0 <= index < count for index in work.logit_rows):
+            raise ValueError(f"slot {work.slot}'s logit rows {list(work.logit_rows)} are not among its {count} rows")
         if len(work.block) > max_block or len(work.logit_rows) > logit_width or row + count > num_tokens:
             raise ValueError(f"slot {work.slot}'s work ({len(work.causal)} causal rows, a block of {len(work.block)}, "
                              f"{len(work.logit_rows)} logit rows) does not fit a pass of {num_tokens} tokens "

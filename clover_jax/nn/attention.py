@@ -118,7 +118,8 @@ class GatedAttention(nn.Module):
         """A ragged pass: every row writes its K/V at its slot's position, then attends to its
         slot's positions [0, limit) (a causal row up to itself, a block row to its block's end).
         query, gate: [1, T, heads, head_dim]; key, value: [1, T, kv_heads, head_dim];
-        pages: [num_groups, num_pages, page_size, kv_heads, head_dim] each."""
+        pages: [num_groups, num_pages, kv_heads, page_size, head_dim] each (head-major, so a
+        page's rows for one head are contiguous)."""
         config = self.config
         cos, sin = rope_angles(batch.position[None], config.rotary_dim, config.rope_theta)
         query, key = apply_partial_rope(query, cos, sin)[0], apply_partial_rope(key, cos, sin)[0]

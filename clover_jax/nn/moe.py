@@ -209,14 +209,16 @@ class SparseMoE(nn.Module):
                        batch: PagedBatch, coreset: bool, coreset_top_p) -> tuple[jax.Array, jax.Array]:
         """A ragged pass's routes ([T, top_k] each): each slot's block rows within the coreset of
         its block (padding rows of a block window have zero probability: they add no mass), every
-        other row its plain top-k; padding rows carry weight 0."""
+        other row its plain top-k; padding rows go to no expert (id `num_experts`, dropped by every
+        dispatch), so that the pass's padding costs no expert work."""
         if coreset:
             top_k = self.config.num_experts_per_tok
             window = gather_rows(probabilities, batch.block_rows)                      # [S, Bmax, E]
             block_ids, block_weights = route_within(window, coreset_mask(window, top_k, coreset_top_p), top_k)
             expert_ids = scatter_rows(expert_ids, batch.block_rows, block_ids)
             expert_weights = scatter_rows(expert_weights, batch.block_rows, block_weights)
-        return expert_ids, jnp.where(batch.valid[:, None], expert_weights, 0.0)
+        valid = batch.valid[:, None]
+        return jnp.where(valid, expert_ids, self.config.num_experts), jnp.where(valid, expert_weights, 0.0)
 
     def expert_adapters(self) -> ExpertAdapters | None:
         """The routed experts' LoRA factors a LoRA training pass placed beside the stacks

@@ -27,6 +27,7 @@ from decoding.engine.shapes import EngineShapes
 from decoding.generation_config import GenerationConfig
 from decoding.layouts import token_ids_of
 from decoding.modes import Mode
+from decoding.serving_defaults import DEFAULT_GRID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class AbstractProgram:
 
 def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Sequence[str],
                       block_sizes: Sequence[int], max_running: int, max_context: int, prefill_budget: int,
-                      prefix_cache_bytes: int = 0, prefix_cache_grid: int = 32,
+                      prefix_cache_bytes: int = 0, prefix_cache_grid: int = DEFAULT_GRID,
                       kv_cache_bytes: int | None = None, sample: bool = True) -> tuple[EngineShapes, list]:
     """(the engine's shapes, an `AbstractProgram` for every program of its served set). params: the
     parameters as placed `jax.ShapeDtypeStruct`s; passes: the model's pass interface for the

@@ -23,7 +23,7 @@ The device state has one shape for the engine's life (docs/serving.md, "The engi
    cancelled request frees its slot and pages (with a prefix cache, a finished one's prompt and
    response are kept first, to their last grid boundary).
 
-Requests never wait for each other: a request that joins starts at the next pass, and one that
+Requests never wait for each other: a request admitted starts at the next pass, and one that
 finishes frees its slot for the next in the queue. Each request decodes exactly what `generate`
 decodes for it alone (the same steps, through the same step functions); the ragged forward
 computes its rows to float rounding of the one-sequence forward.
@@ -52,7 +52,7 @@ import numpy as np
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from clover_jax.core.ragged import TRASH_PAGE, layout, page_bytes, slot_state_bytes
 from decoding.engine import decisions, precompile as precompiling
-from decoding.engine.pages import PagePool
+from decoding.engine.pages import PagePool, PoolExhausted
 from decoding.engine.prefix_cache import Boundary, PrefixCache, put_slot_gdn, slot_gdn
 from decoding.engine.requests import EngineEvent, EngineRequest, Listener, PreparedRequest, RequestStats, prepare
 from decoding.engine.shapes import EngineShapes
@@ -116,7 +116,7 @@ class Handle:
         return self._tracked.number
 
     @property
-    def joined(self) -> bool:
+    def decoding(self) -> bool:
         """Whether the request is decoding (its prompt prefilled); its next step runs before any
         request submitted from now on decodes."""
         return self._tracked.decoding
@@ -133,7 +133,7 @@ class PassRecord(NamedTuple):
     rows: int              # token rows it ran (before padding)
     prompt_rows: int       # of them, prefill rows
     pages_in_use: int      # K/V pages of the pool in use after it (by requests and the prefix cache)
-    request_pages: int     # of them, the pages the running requests hold (a shared page once)
+    request_pages: int     # pages the running requests hold (a page shared through the prefix cache once per holder)
     positions_held: int    # positions the running requests' states hold after it
 
 
@@ -195,12 +195,13 @@ class Engine:
         self.defaults = model_defaults(model) if generation_config is None else \
             generation_config.with_token_ids(model.config, getattr(model, "path", None))
         # every block size is a row of the slots' block windows: a size not served costs the widest's rows
-        sizes = sorted(set(block_sizes) if block_sizes else {self.defaults.block_size})
-        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+        sizes = sorted(set(block_sizes) if block_sizes is not None else {self.defaults.block_size})
+        if not sizes or any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
             raise ValueError(f"block_sizes must be positive integers, got {list(sizes)}")
         grid = prefix_cache_grid if prefix_cache_bytes else None
+        budget = model.chunk_size if prefill_budget is None else prefill_budget
         self.shapes = EngineShapes.make(model, max_running=max_running, max_context=max_context,
-                                        block_sizes=tuple(sizes), prefill_budget=prefill_budget or model.chunk_size,
+                                        block_sizes=tuple(sizes), prefill_budget=budget,
                                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, grid=grid,
                                         prefix_cache_bytes=prefix_cache_bytes)
         self.block_sizes = self.shapes.block_sizes
@@ -323,6 +324,10 @@ class Engine:
         sample: also the sampled variants of the decisions."""
         from decoding.modes import MODES
 
+        with self._lock:
+            busy = self._waiting + len(self._held)
+        if busy:  # its programs run on slot 0's entry and states, which a held request may own
+            raise RuntimeError(f"precompile needs an idle engine; {busy} requests are queued or running")
         sizes = list(block_sizes or self.block_sizes)
         unknown = sorted(set(sizes) - set(self.block_sizes))
         if unknown:
@@ -341,7 +346,8 @@ class Engine:
             self._lock.notify()
 
     def run(self, requests: Sequence[EngineRequest], timeout: float | None = None) -> list[Result]:
-        """Submit every request at once and wait for all of them; results in order."""
+        """Submit every request at once and wait for all of them; results in order. TimeoutError
+        after `timeout` seconds, the unfinished requests cancelled."""
         done = threading.Event()
         results: list[Result | None] = [None] * len(requests)
         tokens: list[list[int]] = [[] for _ in requests]
@@ -361,9 +367,12 @@ class Engine:
 
         if not requests:
             return []
-        self.submit_all(requests, [listener_for(index) for index in range(len(requests))])
+        handles = self.submit_all(requests, [listener_for(index) for index in range(len(requests))])
         if not done.wait(timeout):
-            raise TimeoutError(f"{remaining[0]} of {len(requests)} requests unfinished after {timeout} s")
+            for handle in handles:  # nobody waits for them any more: their slots and pages go back
+                handle.cancel()
+            raise TimeoutError(f"{remaining[0]} of {len(requests)} requests unfinished after {timeout} s "
+                               "(cancelled)")
         return results
 
     def running(self) -> int:
@@ -411,9 +420,22 @@ class Engine:
                             self._run(works)
                 except Exception:  # a bug in the loop itself: fail what it holds and keep serving
                     logger.exception("the engine's loop failed; failing the requests it held")
-                    self._fail_all("internal error in the serving engine")
-        for tracked in list(self._queue) + list(self._inbox) + list(self._held.values()):
-            self._deliver(tracked, EngineEvent([], "shutdown", self._stats(tracked)))
+                    try:
+                        self._fail_all("internal error in the serving engine")
+                    except Exception:  # no fresh state to serve from: stop, and say so to every request
+                        logger.exception("the engine could not start again from a fresh state; it stops")
+                        self._stop("error", "the serving engine failed and stopped")
+                        return
+        self._stop("shutdown", None)
+
+    def _stop(self, finish: str, error: str | None) -> None:
+        """End every request queued or held with `finish` and refuse new ones (the loop's last act)."""
+        with self._lock:
+            self._closed = True
+            left = list(self._queue) + list(self._inbox) + list(self._held.values())
+            self._inbox = collections.deque()
+        for tracked in left:
+            self._deliver(tracked, EngineEvent([], finish, self._stats(tracked), error))
 
     def _cancel(self, numbers: set[int]) -> None:
         if not numbers:
@@ -438,8 +460,6 @@ class Engine:
             if not self.pool.can_reserve(need):
                 break  # the oldest waits for pages; the pool is shared in order
             self._queue.popleft()
-            with self._lock:
-                self._waiting -= 1
             try:
                 self._take_slot(tracked, need)
             except Exception as error:  # this request alone fails
@@ -450,7 +470,9 @@ class Engine:
         prepared, context = tracked.prepared, self.context
         self.pool.reserve(need)
         tracked.reserved, tracked.slot = need, self._free_slots.pop()
-        self._held[tracked.number] = tracked
+        with self._lock:  # one step, so that `submit_all` counts it once: waiting, or held
+            self._waiting -= 1
+            self._held[tracked.number] = tracked
         slot = jnp.int32(tracked.slot)
         hit = None
         if self.prefix_cache is not None:
@@ -496,7 +518,10 @@ class Engine:
             # at most about twice a step without it where a pass's cost follows its rows (a CPU)
             prefill = min(prefill, max(BALANCED_PREFILL_FLOOR, decoding_rows))
         for tracked in held:
-            if tracked.decoding or tracked.done or prefill <= 0 or budget <= 0:
+            # a request with no prompt rows left (a short diffusion prompt, a whole prefix from the
+            # cache) starts decoding beside a long prefill that has taken the prefill budget
+            needs_prompt = tracked.filled < len(tracked.prefix)
+            if tracked.decoding or tracked.done or budget <= 0 or (needs_prompt and prefill <= 0):
                 continue
             work = plan(tracked, budget=budget, prefill_budget=min(prefill, budget), mask=mask)
             if work is not None:
@@ -513,10 +538,13 @@ class Engine:
 
     def _pages_for(self, tracked: Tracked, last_position: int) -> None:
         """Hand the request the pages up to `last_position`, evicting cached prefixes when no page is free."""
+        if last_position >= self.page_table.shape[1] * self.shapes.page_size:
+            raise RuntimeError(f"position {last_position} is past the slot's page table "
+                               f"({self.page_table.shape[1]} pages of {self.shapes.page_size})")
         while len(tracked.pages) * self.shapes.page_size <= last_position:
             while not self.pool.free:
                 if self.prefix_cache is None or not self.prefix_cache.evict_oldest():
-                    raise RuntimeError("the K/V page pool is exhausted (its reservations should prevent this)")
+                    raise PoolExhausted("the K/V page pool is exhausted (its reservations should prevent this)")
             page = self.pool.take()
             self.page_table[tracked.slot, len(tracked.pages)] = page
             tracked.pages.append(page)
@@ -544,8 +572,7 @@ class Engine:
         self._apply(ran, reports)
         held = self._held.values()
         self.passes.append(PassRecord(started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran),
-                                      self.pool.in_use, len({page for t in held for page in t.pages}),
-                                      sum(t.filled for t in held)))
+                                      self.pool.in_use, sum(len(t.pages) for t in held), sum(t.filled for t in held)))
 
     def _decide(self, hidden, ran: list[Tracked]) -> dict:
         """Every decision the pass's requests need, run on the device; their reports on the host. A
@@ -645,10 +672,10 @@ class Engine:
                 tracked.nfe += 1
             if outcome is not None:
                 outcomes.append(outcome)
+        if self.prefix_cache is not None:  # before the reports: a request finishing now keeps this pass's boundary
+            self._follow(ran)
         for outcome in outcomes:
             self._report(outcome)
-        if self.prefix_cache is not None:
-            self._follow(ran)
 
     # ------------------------------------------------------------------ the prefix cache
     def _store(self, tokens: Sequence[int], tracked: Tracked) -> None:

@@ -54,12 +54,16 @@ class PagePool:
         return self.reserved + pages <= self.capacity
 
     def reserve(self, pages: int) -> None:
-        if not self.can_reserve(pages):
-            raise PoolExhausted(f"{pages} pages cannot be reserved: {self.reserved} of {self.capacity} already are")
-        self.reserved += pages
+        with self._lock:
+            if not self.can_reserve(pages):
+                raise PoolExhausted(f"{pages} pages cannot be reserved: {self.reserved} of {self.capacity} already are")
+            self.reserved += pages
 
     def unreserve(self, pages: int) -> None:
-        self.reserved -= pages
+        with self._lock:
+            if pages > self.reserved:
+                raise RuntimeError(f"{pages} pages unreserved, but only {self.reserved} are reserved")
+            self.reserved -= pages
 
     def take(self) -> int:
         """A free page, held once; PoolExhausted when none is free."""
@@ -73,9 +77,10 @@ class PagePool:
     def retain(self, pages) -> None:
         """One more holder for each of `pages`."""
         with self._lock:
+            idle = [page for page in pages if self._references[page] <= 0]
+            if idle:  # checked first, so that a refusal retains nothing
+                raise RuntimeError(f"pages {idle} are not held: they cannot be retained")
             for page in pages:
-                if self._references[page] <= 0:
-                    raise RuntimeError(f"page {page} is not held: it cannot be retained")
                 self._references[page] += 1
 
     def release(self, pages) -> None:

@@ -138,6 +138,8 @@ class PrefixCache:
         if length <= 0 or length % self.grid or length > len(tokens):
             raise ValueError(f"a stored prefix is a positive multiple of the grid ({self.grid}) within the "
                              f"tokens ({len(tokens)}), got {length}")
+        if len(pages) * self.page_size < length:
+            raise ValueError(f"{len(pages)} pages of {self.page_size} positions cannot hold a prefix of {length}")
         per_chunk = self.pages_per_chunk
         with self._lock:
             node = self._root

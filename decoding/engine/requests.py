@@ -147,6 +147,6 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
 @functools.lru_cache(maxsize=256)
 def sequence_key_row(seed: int) -> jax.Array:
     """The key a request alone draws from, `generate(key=jax.random.key(seed))`'s for prompt 0
-    (random schedules draw from it in greedy decoding too), with a slot axis ([1]) as a lane's
+    (random schedules draw from it in greedy decoding too), with a slot axis ([1]) as a slot's
     entry holds it. Cached: most requests share a seed (each call is a few device ops, ~0.1 ms)."""
     return jax.random.fold_in(jax.random.key(seed), 0)[None]

@@ -86,10 +86,6 @@ class Tracked:
         """The tokens it runs causally before decoding (docs/design.md §4, §8)."""
         return self.prepared.prompt[:strategy(self.mode).prefix_length(len(self.prepared.prompt), self.block_size)]
 
-    @property
-    def joined(self) -> bool:
-        return self.decoding
-
     def first_nfe(self) -> int:
         """The forward passes `generate` counts for its prefill."""
         prompt = len(self.prepared.prompt)

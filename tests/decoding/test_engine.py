@@ -9,11 +9,12 @@ back; cancellation, a failing listener and bad requests are confined to their re
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from decoding import generate
-from decoding.engine import Engine, EngineRequest, QueueFull
+from decoding.engine import Engine, EngineClosed, EngineRequest, QueueFull
 from tests.conftest import MASK_ID
 from tests.decoding.conftest import THINK_START
 
@@ -110,6 +111,28 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_requests(model, con
             None, tokens, nfe, len(steps)), request
 
 
+def test_a_short_request_starts_beside_a_long_prefill_that_took_the_prefill_budget(model, controls_config):
+    """A diffusion prompt shorter than its block has no prompt rows to prefill: it decodes in the
+    passes that carry a long prompt's chunks (it once waited for that prefill to end)."""
+    long = EngineRequest(PROMPTS[3], "autoregressive", overrides={"max_new_tokens": 2})
+    short = EngineRequest(PROMPTS[2], overrides={"schedule": "fixed_k", "schedule_params": {"tokens_per_step": 8},
+                                                 "max_new_tokens": 8})
+    order, finished = [], threading.Semaphore(0)
+
+    def listener(name):
+        def listen(event):
+            order.append(name)
+            if event.finish is not None:
+                finished.release()
+        return listen
+
+    with Engine(model, controls_config, max_running=2, prefill_budget=4, block_sizes=[8]) as engine:
+        engine.submit_all([long, short], [listener("long"), listener("short")])
+        assert finished.acquire(timeout=600) and finished.acquire(timeout=600)
+    # 27 prompt tokens at 4 a pass: the long request's first token comes with its seventh pass
+    assert order.index("short") < order.index("long"), order
+
+
 def test_pages_in_use_follow_the_tokens_held(model, controls_config):
     """A request holds the pages of the positions it has written, not of its whole reservation, and
     gives them all back when it ends."""
@@ -151,6 +174,35 @@ def test_a_failing_listener_ends_its_request_alone(engine, model, controls_confi
     request = EngineRequest(PROMPTS[0])
     assert engine.run([request], timeout=600)[0].tokens == alone(model, controls_config, request)[0]
     assert engine.running() == 0
+
+
+def test_precompile_refuses_a_busy_engine_and_run_cancels_what_it_stops_waiting_for(model, controls_config):
+    with Engine(model, controls_config, max_running=1, block_sizes=[8]) as engine:
+        long = EngineRequest(PROMPTS[3], overrides={"max_new_tokens": 64, "dllm_length_penalty": 0.0})
+        with pytest.raises(TimeoutError, match="cancelled"):
+            engine.run([long], timeout=0.01)
+        with pytest.raises(RuntimeError, match="precompile needs an idle engine"):  # the cancel is not seen yet
+            engine.precompile(["diffusion"])
+        deadline = time.monotonic() + 120
+        while engine.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.running() == 0 and engine.kv_pages_in_use() == 0
+
+
+def test_an_engine_that_cannot_start_again_stops_and_says_so(model, controls_config, monkeypatch):
+    """The loop failing, and then its fresh start failing too: every request ends with an error, and
+    the engine refuses new ones (its thread had died, leaving submitters waiting forever)."""
+    with Engine(model, controls_config, max_running=1, block_sizes=[8]) as engine:
+        def broken(*args, **kwargs):
+            raise RuntimeError("broken for the test")
+
+        monkeypatch.setattr(engine, "_run", broken)
+        monkeypatch.setattr(engine, "_new_device_state", broken)
+        held, queued = engine.run([EngineRequest(PROMPTS[0]), EngineRequest(PROMPTS[1])], timeout=120)
+        assert (held.finish, held.error) == ("error", "internal error in the serving engine")
+        assert (queued.finish, queued.error) == ("error", "the serving engine failed and stopped")
+        with pytest.raises(EngineClosed):
+            engine.submit(EngineRequest(PROMPTS[0]), lambda event: None)
 
 
 def test_bounded_queue(model, controls_config):

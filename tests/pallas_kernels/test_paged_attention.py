@@ -58,3 +58,15 @@ def test_the_kernel_equals_its_oracle(variant, dtype, tolerance):
 def test_tiles_read_up_to_their_largest_limit():
     _, _, _, _, _, limit, tiles, _ = case(jnp.float32)
     assert tile_pages(limit, tiles, PAGE).tolist() == [4, 4, 6, 6, 1, 0, 0]
+
+
+def test_a_page_table_beyond_the_tpu_kernels_smem_is_refused_by_name(monkeypatch):
+    import pallas_kernels.paged_attention as kernel
+
+    query, keys, values, table, _, limit, tiles, tile_slot = case(jnp.float32)
+    monkeypatch.setattr(kernel, "TPU_TABLE_ENTRIES", table.size - 1)
+    with pytest.raises(ValueError, match="exceeds the .* entries the TPU kernel keeps in SMEM"):
+        paged_attention(query, keys, values, jnp.int32(1), table, limit, tiles, tile_slot, variant="tpu",
+                        interpret=True)
+    # the GPU kernel reads the table from global memory: no such bound
+    paged_attention(query, keys, values, jnp.int32(1), table, limit, tiles, tile_slot, variant="gpu", interpret=True)
