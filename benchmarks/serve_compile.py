@@ -3,7 +3,8 @@
 
 For each documented serving command (docs/serving.md, "The engine's shapes"), the engine's served
 set (`decoding.engine.precompile.served_set`: a ragged forward per token padding, the decisions of
-every served mode and block size, the slot writes, the GDN state copies) is laid out with abstract
+every served mode and block size, the slot writes, the GDN state copies; the prefix cache on, as
+the server's default) is laid out with abstract
 arguments on the target's mesh (`decoding.engine.abstract_programs`) and compiled by the target's
 own compiler in a subprocess (`clover_jax.api.compile.served_set`):
 
@@ -51,6 +52,7 @@ def measure(name: str, settings: dict, *, prefill_budget: int, modes=None) -> di
     from clover_jax.api.compile.worker import compile_in_subprocess
     from clover_jax.core.config import CLOVER_35B_A3B, CloverConfig
     from clover_jax.parallel.sharding import ShardingRules
+    from decoding.serving_defaults import DEFAULT_PREFIX_CACHE_BYTES
 
     config = CloverConfig.from_dict(CLOVER_35B_A3B)
     job = ServedSetJob(config={field.name: getattr(config, field.name) for field in dataclasses.fields(config)},
@@ -58,7 +60,7 @@ def measure(name: str, settings: dict, *, prefill_budget: int, modes=None) -> di
                        rules=dataclasses.asdict(ShardingRules()), max_running=settings["max_running"],
                        max_context=settings["max_context"], block_sizes=settings["block_sizes"],
                        modes=tuple(modes or settings["modes"]), prefill_budget=prefill_budget,
-                       kv_cache_bytes=None)
+                       kv_cache_bytes=None, prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES)
     started = time.perf_counter()
     [programs] = compile_in_subprocess([job], timeout=4 * 3600)
     wall = time.perf_counter() - started
