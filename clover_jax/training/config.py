@@ -15,6 +15,7 @@ from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
 from clover_jax.nn.remat import REMAT
 
 LOSS_WEIGHTINGS = ("uniform", "inverse_t")
+EDIT_SUBSTITUTES = ("uniform", "data")  # masking.SUBSTITUTES, named here so that the config needs no JAX
 
 METHODS = ("full", "lora")
 QUANTIZE = ("int8", "int4")
@@ -49,6 +50,13 @@ class FinetuneConfig:
         None, "the masked tokens' weights; none: uniform with the complement, inverse_t without", LOSS_WEIGHTINGS)
     min_mask_ratio: float | None = _setting(None, "the least masking ratio; none: 0.02 with inverse_t, else 1e-3")
     next_token_weight: float = _setting(1.0, "weight of the clean stream's next-token loss")
+    # token editing (LLaDA2.1; docs/training.md, "Token editing"): off at edit_fraction 0
+    edit_fraction: float = _setting(0.0, "token editing: the share of corrupted positions given a substituted "
+                                         "token instead of the mask")
+    edit_substitutes: str = _setting("uniform", "token editing: substitutes drawn uniformly from the non-special "
+                                                "vocabulary, or from the batch's own loss tokens", EDIT_SUBSTITUTES)
+    edit_keep_weight: float = _setting(0.0, "token editing: weight of the cross-entropy at a noisy block's kept "
+                                            "clean positions")
     load_balance_weight: float = _setting(1e-3, "weight of the MoE load-balance loss")
     router_z_weight: float = _setting(0.0, "weight of the router z-loss")
     freeze_router: bool = _setting(False, "the router takes no update")
@@ -182,7 +190,13 @@ def _check(config: FinetuneConfig) -> None:
          f"must be one of {LOSS_WEIGHTINGS}, got {config.loss_weighting!r}")
     need(config.min_mask_ratio is None or 0.0 <= config.min_mask_ratio < 0.5, "min_mask_ratio",
          f"must be in [0, 0.5), got {config.min_mask_ratio}")
-    for field in ("next_token_weight", "load_balance_weight", "router_z_weight", "weight_decay"):
+    need(isinstance(config.edit_fraction, (int, float)) and not isinstance(config.edit_fraction, bool)
+         and 0.0 <= config.edit_fraction < 1.0, "edit_fraction", f"must be in [0, 1), got {config.edit_fraction!r}")
+    need(config.edit_substitutes in EDIT_SUBSTITUTES, "edit_substitutes",
+         f"must be one of {EDIT_SUBSTITUTES}, got {config.edit_substitutes!r}", UNSUPPORTED)
+    need(config.edit_fraction > 0 or not config.edit_keep_weight, "edit_keep_weight",
+         "the keep term belongs to token editing: set edit_fraction > 0 as well")
+    for field in ("next_token_weight", "edit_keep_weight", "load_balance_weight", "router_z_weight", "weight_decay"):
         need(isinstance(getattr(config, field), (int, float)) and getattr(config, field) >= 0, field,
              f"must be a number >= 0, got {getattr(config, field)!r}")
     need(isinstance(config.learning_rate, (int, float)) and config.learning_rate > 0, "learning_rate",

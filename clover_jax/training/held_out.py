@@ -70,7 +70,8 @@ def held_out_metrics(params: Params, module: CloverTransformer, packed: PackedRo
     """The evaluation metrics of `packed` (held-out rows of `settings.block_size`), prefixed "eval_"."""
     size = settings.block_size
     width = noisy_width(packed, size, None)
-    settings = settings._replace(complementary=False, loss_weighting="uniform")
+    # masks only, at fixed ratios: the held-out figures of a run with and without token editing compare
+    settings = settings._replace(complementary=False, loss_weighting="uniform", editing=None)
     total = None
     for first in range(0, packed.num_rows, batch_size):
         rows = np.arange(first, first + batch_size) % packed.num_rows

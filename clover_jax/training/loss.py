@@ -1,11 +1,15 @@
 """The block-diffusion fine-tuning loss on the one training pass (docs/training.md has the formulas).
 
-    loss = Σ_{masked j} w_j · CE_j / n_loss                      (block diffusion, noisy stream)
+    loss = Σ_{corrupted j} w_j · CE_j / n_loss                   (block diffusion, noisy stream)
+         + κ · Σ_{kept loss positions k} CE_k / n_loss            (token editing's keep term)
          + λ · Σ_{next-token targets p} CE_p / n_next             (next token, clean stream)
          + α · mean over layers of E · Σ_e f_e · P_e                 (load balance)
          + β · mean over rows of logsumexp(router logits)²          (router z-loss)
 
-`w_j` is 1 ("uniform") or 1/t of the copy that masked j ("inverse_t"); `n_loss` counts the loss
+A corrupted position holds the mask token or, with token editing (`masking.Editing`), a
+substituted token; its target is the original token either way. κ is `Editing.keep_weight` (0
+without editing): the kept positions are a noisy block's loss positions left clean.
+`w_j` is 1 ("uniform") or 1/t of the copy that corrupted j ("inverse_t"); `n_loss` counts the loss
 tokens of the global batch once per pair of copies, `n_next` its next-token targets — both
 passed in, so that micro-batches of one optimizer step add up to the loss of the whole batch.
 Cross-entropies come from hidden states a chunk at a time (`cross_entropy`), with the mask
@@ -26,7 +30,7 @@ from clover_jax.training.batches import Normalisers, TrainRows, block_rows, next
 from clover_jax.training.block_pass import stream_pass
 from clover_jax.training.config import LOSS_WEIGHTINGS
 from clover_jax.training.cross_entropy import chunked_cross_entropy
-from clover_jax.training.masking import Noise
+from clover_jax.training.masking import Editing, Noise
 
 
 class LossSettings(NamedTuple):
@@ -42,13 +46,16 @@ class LossSettings(NamedTuple):
     load_balance_weight: float = 1e-3
     router_z_weight: float = 0.0
     chunk_rows: int | None = None  # the cross-entropy's rows per chunk (None: by the vocabulary)
+    editing: Editing | None = None  # LLaDA2.1's token editing (None: masks only)
 
 
 class LossParts(NamedTuple):
     """The loss and its parts, float32 []. Sums over this micro-batch divided by the global
     normalisers (so parts of micro-batches add up), except `masked_accuracy` and the per-layer
     `expert_load` (float32 [layers, experts], the fraction of each layer's dispatched pairs that
-    went to each expert)."""
+    went to each expert). With token editing, `diffusion_loss` covers masked and substituted
+    positions, `keep_loss` is the unweighted keep term and `substituted_*` count the substituted
+    positions and those predicted right (all zero without editing)."""
 
     loss: jax.Array
     diffusion_loss: jax.Array
@@ -58,6 +65,9 @@ class LossParts(NamedTuple):
     masked_tokens: jax.Array
     masked_correct: jax.Array
     expert_load: jax.Array
+    keep_loss: jax.Array
+    substituted_tokens: jax.Array
+    substituted_correct: jax.Array
 
 
 def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise: Noise, normalisers: Normalisers,
@@ -69,12 +79,17 @@ def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise
     block_size = settings.block_size
     batch, length = rows.clean_ids.shape
     copies = 2 if settings.complementary else 1
-    targets, _ = block_rows(rows, block_size)
-    targets = jnp.tile(targets, (1, copies, 1))                                      # [b, N, B]
+    targets, maskable = block_rows(rows, block_size)
+    targets, maskable = jnp.tile(targets, (1, copies, 1)), jnp.tile(maskable, (1, copies, 1))  # [b, N, B]
     if settings.mask_token_id is None and rows.block_index.shape[1]:
         raise ValueError("a model without a mask token trains next-token only: its rows hold no noisy blocks")
-    noisy_blocks = targets if settings.mask_token_id is None else jnp.where(noise.masked, settings.mask_token_id,
-                                                                            targets).astype(jnp.int32)
+    if (noise.substituted is None) != (settings.editing is None):
+        raise ValueError("the noise has substituted tokens exactly when the settings ask for token editing")
+    noisy_blocks = targets
+    if noise.substituted is not None:
+        noisy_blocks = jnp.where(noise.substituted, noise.substitutes, noisy_blocks)
+    if settings.mask_token_id is not None:
+        noisy_blocks = jnp.where(noise.masked, settings.mask_token_id, noisy_blocks).astype(jnp.int32)
     streams = make_streams(rows.segment, jnp.tile(rows.block_index, (1, copies)), block_size)
     out = stream_pass(module, params, rows.clean_ids, noisy_blocks, streams, block_size=block_size,
                       coreset=settings.coreset, coreset_top_p=coreset_top_p, router_stats=True)
@@ -83,12 +98,20 @@ def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise
         hidden.reshape(-1, hidden_size), out.head, labels.reshape(-1), excluded_token=settings.mask_token_id,
         chunk_rows=settings.chunk_rows)
 
-    # Block diffusion: every masked position of every noisy block.
+    # Block diffusion: every corrupted (masked or substituted) position of every noisy block.
     noisy = cross_entropy(out.hidden[:, length:], targets)
-    masked = noise.masked.reshape(-1)
+    masked, corrupted = noise.masked.reshape(-1), noise.corrupted.reshape(-1)
     weight = jnp.ones_like(noise.ratio) if settings.loss_weighting == "uniform" else 1.0 / noise.ratio
-    weight = (jnp.repeat(weight, block_size, axis=1).reshape(-1) * masked).astype(jnp.float32)
+    weight = (jnp.repeat(weight, block_size, axis=1).reshape(-1) * corrupted).astype(jnp.float32)
     diffusion = jnp.sum(noisy.nll * weight) / normalisers.loss_tokens
+    zero = jnp.zeros((), jnp.float32)
+    keep, substituted_tokens, substituted_correct = zero, zero, zero
+    if settings.editing is not None:
+        kept = (maskable.reshape(-1) & ~corrupted).astype(jnp.float32)
+        keep = jnp.sum(noisy.nll * kept) / normalisers.loss_tokens
+        substituted = noise.substituted.reshape(-1)
+        substituted_tokens = jnp.sum(substituted.astype(jnp.float32))
+        substituted_correct = jnp.sum((noisy.correct & substituted).astype(jnp.float32))
 
     # Next token: row p of the clean stream predicts token p + 1 of the same example.
     predicts = next_token_targets(rows)
@@ -98,8 +121,11 @@ def loss_parts(params: Params, module: CloverTransformer, rows: TrainRows, noise
     balance, z_loss, load = router_losses(out.router_stats, module.config.num_experts)
     loss = (diffusion + settings.next_token_weight * next_token + settings.load_balance_weight * balance
             + settings.router_z_weight * z_loss)
+    if settings.editing is not None and settings.editing.keep_weight:
+        loss = loss + settings.editing.keep_weight * keep
     return LossParts(loss, diffusion, next_token, balance, z_loss, jnp.sum(masked.astype(jnp.float32)),
-                     jnp.sum((noisy.correct & masked).astype(jnp.float32)), load)
+                     jnp.sum((noisy.correct & masked).astype(jnp.float32)), load, keep, substituted_tokens,
+                     substituted_correct)
 
 
 def router_losses(stats: RouterStats, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -119,4 +145,5 @@ def empty_parts(module: CloverTransformer) -> LossParts:
     """`LossParts` of zeros: scalars, and [layers, experts] for the expert load."""
     config = module.config
     scalar = jnp.zeros((), jnp.float32)
-    return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32))
+    return LossParts(*([scalar] * 7), jnp.zeros((config.num_hidden_layers, config.num_experts), jnp.float32),
+                     scalar, scalar, scalar)

@@ -25,7 +25,7 @@ from clover_jax.training.batches import Normalisers, TrainRows, block_rows
 from clover_jax.training.block_pass import training_module
 from clover_jax.training.config import FinetuneConfig
 from clover_jax.training.loss import LossParts, LossSettings, empty_parts, loss_parts
-from clover_jax.training.masking import draw_noise
+from clover_jax.training.masking import Editing, draw_noise
 from clover_jax.training.state import OptimizerSettings, TrainState, make_optimizer
 from clover_jax.training.train_sharding import TrainLayout
 
@@ -45,17 +45,26 @@ class StepProgram:
     lora: lora.LoraSpec | None = None  # a LoRA run: the state holds the trainable part only
 
     @classmethod
-    def of(cls, config: FinetuneConfig, module: CloverTransformer, *, block_size: int,
-           compute_dtype: str) -> "StepProgram":
+    def of(cls, config: FinetuneConfig, module: CloverTransformer, *, block_size: int, compute_dtype: str,
+           substitute_vocabulary: tuple[tuple[int, int], ...] | None = None) -> "StepProgram":
         """The step `config` describes at `block_size`, over `module` (the model as the run writes it:
         its config holds the mask token; on the run's mesh): the one place a `FinetuneConfig` becomes
-        the training module (remat, offloaded base), the loss settings, the optimizer and the LoRA spec."""
+        the training module (remat, offloaded base), the loss settings, the optimizer and the LoRA spec.
+        substitute_vocabulary: token editing's uniform substitutes, id ranges [start, stop) (the
+        trainer passes the tokenizer's non-special ids); None: every id but the mask token."""
         model_config = module.config
+        editing = None
+        if config.edit_fraction > 0:
+            mask = model_config.mask_token_id
+            everything = ((0, mask), (mask + 1, model_config.vocab_size)) if mask is not None else (
+                (0, model_config.vocab_size),)
+            editing = Editing(float(config.edit_fraction), float(config.edit_keep_weight), config.edit_substitutes,
+                              substitute_vocabulary or tuple((a, b) for a, b in everything if b > a))
         settings = LossSettings(block_size=block_size, mask_token_id=model_config.mask_token_id,
                                 coreset=model_config.moe_block_coreset_enabled, complementary=config.complementary,
                                 loss_weighting=config.weighting, next_token_weight=float(config.next_token_weight),
                                 load_balance_weight=float(config.load_balance_weight),
-                                router_z_weight=float(config.router_z_weight))
+                                router_z_weight=float(config.router_z_weight), editing=editing)
         spec = None
         if config.method == "lora":
             spec = lora.LoraSpec(config.lora_rank, float(config.lora_alpha), config.lora_targets,
@@ -86,9 +95,9 @@ def batch_gradients(params: Params, step: jax.Array, rows: TrainRows, key: jax.A
     def micro(carry, inputs):
         grads, parts = carry
         index, batch = inputs
-        _, maskable = block_rows(batch, settings.block_size)
+        targets, maskable = block_rows(batch, settings.block_size)
         noise = draw_noise(jax.random.fold_in(step_key, index), maskable, min_ratio=program.min_mask_ratio,
-                           complementary=settings.complementary)
+                           complementary=settings.complementary, editing=settings.editing, targets=targets)
 
         def loss(master):
             compute = program.run_params(master, frozen)
@@ -122,6 +131,9 @@ def step_body(state: TrainState, rows: TrainRows, key: jax.Array, norm: Normalis
                "grad_norm": optax.global_norm(grads),
                "expert_load_max": jnp.max(load, axis=-1), "expert_load_min": jnp.min(load, axis=-1),
                "expert_load_cv": jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)}
+    if program.settings.editing is not None:
+        metrics.update(keep_loss=parts.keep_loss, substituted_tokens=parts.substituted_tokens,
+                       substituted_accuracy=parts.substituted_correct / jnp.maximum(parts.substituted_tokens, 1.0))
     return TrainState(state.step + 1, params, opt_state), metrics
 
 

@@ -92,7 +92,9 @@ def finetune(model, data: str | os.PathLike | Sequence[str | os.PathLike], out: 
     mesh_sharding = training_mesh_sharding(mesh, target.config)
     module = model.module.clone(config=target.config, mesh_sharding=mesh_sharding)
     compute_dtype = config.param_dtype or str(model.dtype)
-    programs = {size: StepProgram.of(config, module, block_size=size, compute_dtype=compute_dtype) for size in sizes}
+    vocabulary = substitute_vocabulary(tokenizer, target.config) if config.edit_fraction > 0 else None
+    programs = {size: StepProgram.of(config, module, block_size=size, compute_dtype=compute_dtype,
+                                     substitute_vocabulary=vocabulary) for size in sizes}
     spec = programs[sizes[0]].lora
     frozen, trained = None, params
     if spec is not None:
@@ -178,6 +180,26 @@ def _data_directory(config: FinetuneConfig) -> str | None:
     if config.checkpoint_dir:
         return os.path.join(os.fspath(config.checkpoint_dir), "data")
     return compilation_cache.data_directory()
+
+
+def substitute_vocabulary(tokenizer, model_config) -> tuple[tuple[int, int], ...]:
+    """Token editing's uniform substitutes: the tokenizer's ids that are not special (its added
+    tokens marked special, its named special tokens, the mask token), below the model's
+    vocabulary, as ranges [start, stop)."""
+    special = set(tokenizer.all_special_ids) | {model_config.mask_token_id}
+    special |= {index for index, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
+    stop = min(len(tokenizer), model_config.vocab_size)
+    ranges, start = [], None
+    for index in range(stop + 1):
+        ordinary = index < stop and index not in special
+        if ordinary and start is None:
+            start = index
+        elif not ordinary and start is not None:
+            ranges.append((start, index))
+            start = None
+    if not ranges:
+        raise ValueError("token editing: the tokenizer has no ordinary (non-special) token to substitute")
+    return tuple(ranges)
 
 
 def _pad_id(tokenizer, target: conversion.Target) -> int:

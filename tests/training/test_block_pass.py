@@ -12,8 +12,14 @@ from tests.conftest import MASK_ID
 TOLERANCE = 1e-5  # of the logit scale
 
 
-def noisy_copy(clean: np.ndarray, rng: np.random.RandomState, ratio: float = 0.5) -> np.ndarray:
-    return np.where(rng.rand(*clean.shape) < ratio, MASK_ID, clean).astype(np.int32)
+def noisy_copy(clean: np.ndarray, rng: np.random.RandomState, ratio: float = 0.5,
+               substituted: float = 0.3) -> np.ndarray:
+    """Positions corrupted with probability `ratio`; of those, a share `substituted` holds another
+    token (token editing's input, docs/training.md) instead of the mask."""
+    corrupted = rng.rand(*clean.shape) < ratio
+    substitute = corrupted & (rng.rand(*clean.shape) < substituted)
+    tokens = rng.randint(0, MASK_ID, clean.shape)
+    return np.where(substitute, tokens, np.where(corrupted, MASK_ID, clean)).astype(np.int32)
 
 
 def check_blocks(model, clean, noisy, segment, block_size, coreset, blocks):

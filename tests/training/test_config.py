@@ -31,6 +31,9 @@ from clover_jax.training import FinetuneConfig
     ("generation_config", [1], "invalid_type"),
     ("offload_base", "yes", "invalid_type"),
     ("offload_base", True, "unsupported_value"),    # method "full": its parameters are trained
+    ("edit_fraction", 1.0, "invalid_value"),
+    ("edit_substitutes", "model", "unsupported_value"),
+    ("edit_keep_weight", 0.5, "invalid_value"),       # the keep term without editing
 ])
 def test_a_bad_field_is_refused_naming_it(field, value, code):
     values = {"block_size": 32} if field == "seq_len" else {}
@@ -65,11 +68,13 @@ def test_every_field_is_a_flag_and_the_flags_build_the_config(tmp_path):
         "train", "--model", "m", "--data", "a.jsonl", "b.jsonl", "--out", "o", "--steps", "7", "--block-size",
         "4,8,16", "--block-size-weights", "1,2,1", "--seq-len", "64", "--no-complementary", "--learning-rate",
         "3e-4", "--max-noisy-blocks", "1", "--generation-config", str(overrides), "--eval-every", "none",
-        "--lora-targets", "attention,gdn"])
+        "--lora-targets", "attention,gdn", "--edit-fraction", "0.3", "--edit-substitutes", "data",
+        "--edit-keep-weight", "0.1"])
     config = train_command.config_from_flags(args)
     assert config == FinetuneConfig(steps=7, block_size=(4, 8, 16), block_size_weights=(1.0, 2.0, 1.0), seq_len=64,
                                     complementary=False, learning_rate=3e-4, max_noisy_blocks=1,
-                                    generation_config={"threshold": 0.8}, lora_targets=("attention", "gdn"))
+                                    generation_config={"threshold": 0.8}, lora_targets=("attention", "gdn"),
+                                    edit_fraction=0.3, edit_substitutes="data", edit_keep_weight=0.1)
     flags = {action.dest for action in parser._subparsers._group_actions[0].choices["train"]._actions}
     assert {field.name for field in dataclasses.fields(FinetuneConfig)} <= flags
     with pytest.raises(FieldError) as caught:

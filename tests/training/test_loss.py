@@ -20,7 +20,7 @@ from clover_jax.training.cross_entropy import (
     chunked_cross_entropy,
 )
 from clover_jax.training.loss import LossSettings, loss_parts
-from clover_jax.training.masking import draw_noise
+from clover_jax.training.masking import Editing, draw_noise
 from tests.conftest import MASK_ID
 
 B, L, PAD = 4, 24, 0
@@ -50,14 +50,18 @@ def packed_rows() -> TrainRows:
     return TrainRows(*map(jnp.asarray, (clean, segment, targets, maskable, next_token, blocks)))
 
 
-def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight, count):
-    """Σ over noisy blocks of the block's weighted masked cross-entropy on the decoding pass (its
-    example's clean prefix, then the noisy block), over the same normaliser, plus the next-token
-    cross-entropy of each example's causal pass. All blocks in one batch: prefixes left-padded."""
+def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight, count, keep_weight=0.0):
+    """Σ over noisy blocks of the block's weighted cross-entropy at its corrupted (masked or
+    substituted) positions on the decoding pass (its example's clean prefix, then the noisy block),
+    plus `keep_weight` times the cross-entropy at its kept loss positions, over the same
+    normaliser, plus the next-token cross-entropy of each example's causal pass. All blocks in one
+    batch: prefixes left-padded."""
     clean, segment = np.asarray(rows.clean_ids), np.asarray(rows.segment)
     masked, ratio = np.asarray(noise.masked), np.asarray(noise.ratio)
+    substituted = np.zeros_like(masked) if noise.substituted is None else np.asarray(noise.substituted)
+    substitutes = None if noise.substitutes is None else np.asarray(noise.substitutes)
     indices = np.tile(np.asarray(rows.block_index), (1, 2))
-    prefixes, blocks, weights, targets, starts = [], [], [], [], []
+    prefixes, blocks, weights, targets, starts, kept = [], [], [], [], [], []
     for row, slots in enumerate(indices):
         for slot, index in enumerate(slots):
             if index >= L // B:
@@ -67,14 +71,20 @@ def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight,
             prefixes.append(np.pad(prefix, (L - len(prefix), 0)))
             starts.append(L - len(prefix))
             target = np.asarray(rows.targets)[row, index * B:(index + 1) * B]
-            blocks.append(np.where(masked[row, slot], MASK_ID, target))
+            block = np.where(masked[row, slot], MASK_ID, target)
+            if substitutes is not None:
+                block = np.where(substituted[row, slot], substitutes[row, slot], block)
+            blocks.append(block)
             targets.append(target)
-            weights.append(masked[row, slot] / ratio[row, slot])
+            corrupted = masked[row, slot] | substituted[row, slot]
+            weights.append(corrupted / ratio[row, slot])
+            kept.append(np.asarray(rows.maskable)[row, index * B:(index + 1) * B] & ~corrupted)
     state = empty_state(passes.config, len(blocks), L + B, jnp.float32, np.asarray(starts))
     logits = passes.commit_and_denoise(params, jnp.asarray(np.stack(prefixes)), jnp.asarray(np.stack(blocks)), state,
                                        coreset=True, coreset_top_p=jnp.float32(0.9)).logits
     nll = cross_entropy(logits, np.stack(targets))
     diffusion = jnp.sum(nll * np.stack(weights)) / count.loss_tokens
+    keep = jnp.sum(nll * np.stack(kept)) / count.loss_tokens
     # next token: each example alone, left-padded
     examples = [(row, np.flatnonzero(segment[row] == number)) for row in range(2)
                 for number in np.unique(segment[row][segment[row] > 0])]
@@ -85,7 +95,7 @@ def reference_loss(params, passes, rows: TrainRows, noise, *, next_token_weight,
     causal = passes.causal(params, jnp.asarray(ids), state).logits
     next_nll = cross_entropy(causal[:, :-1], ids[:, 1:])
     next_token = jnp.sum(next_nll * trained[:, 1:]) / count.next_tokens
-    return diffusion + next_token_weight * next_token, (diffusion, next_token)
+    return diffusion + next_token_weight * next_token + keep_weight * keep, (diffusion, next_token, keep)
 
 
 def cross_entropy(logits, targets):
@@ -93,29 +103,42 @@ def cross_entropy(logits, targets):
     return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, jnp.asarray(targets)[..., None], -1)[..., 0]
 
 
-def test_loss_and_gradient_equal_per_block_losses_on_the_decoding_passes(model):
+# Token editing (LLaDA2.1): of the corrupted positions 40% hold a token drawn from the batch's loss
+# tokens, and the kept loss positions add their cross-entropy at weight 0.5.
+EDITING = Editing(0.4, keep_weight=0.5, substitutes="data")
+
+
+@pytest.mark.parametrize("editing", [None, EDITING], ids=["masks", "editing"])
+def test_loss_and_gradient_equal_per_block_losses_on_the_decoding_passes(model, editing):
     rows = packed_rows()
-    _, maskable = block_rows(rows, B)
-    noise = draw_noise(jax.random.key(3), maskable, min_ratio=0.02, complementary=True)
+    targets, maskable = block_rows(rows, B)
+    noise = draw_noise(jax.random.key(3), maskable, min_ratio=0.02, complementary=True, editing=editing,
+                       targets=targets)
+    if editing is not None:  # the draw substituted some positions, and not always the original token
+        assert np.asarray(noise.substituted).any() and np.asarray(noise.masked).any()
+        assert np.any(np.asarray(noise.substitutes) != np.asarray(jnp.tile(targets, (1, 2, 1))))
     segment, next_token = np.asarray(rows.segment), np.asarray(rows.next_token)
     count = Normalisers(jnp.float32(np.sum(np.asarray(maskable))),
                         jnp.float32(np.sum(next_token[:, 1:] & (segment[:, 1:] == segment[:, :-1]))))
     settings = LossSettings(block_size=B, mask_token_id=MASK_ID, coreset=True, complementary=True,
-                            loss_weighting="inverse_t", next_token_weight=0.7, load_balance_weight=0.0)
+                            loss_weighting="inverse_t", next_token_weight=0.7, load_balance_weight=0.0,
+                            editing=editing)
     module = training_module(model.module)
 
     @jax.jit
     def ours(params):
         parts = loss_parts(params, module, rows, noise, count, settings=settings, coreset_top_p=jnp.float32(0.9))
-        return parts.loss, (parts.diffusion_loss, parts.next_token_loss)
+        return parts.loss, (parts.diffusion_loss, parts.next_token_loss, parts.keep_loss)
 
     passes = TransformerPasses(differentiable(model.module).clone(layer_loop="scan"))
+    keep_weight = 0.0 if editing is None else editing.keep_weight
     reference = jax.jit(functools.partial(reference_loss, passes=passes, rows=rows, noise=noise, next_token_weight=0.7,
-                                          count=count))
+                                          count=count, keep_weight=keep_weight))
     (value, parts), grads = jax.value_and_grad(ours, has_aux=True)(model.params)
     (expected, expected_parts), expected_grads = jax.value_and_grad(reference, has_aux=True)(model.params)
     np.testing.assert_allclose(float(value), float(expected), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(parts), np.asarray(expected_parts), rtol=1e-5)
+    compared = 3 if editing is not None else 2  # without editing the loss has no keep term (ours reports 0)
+    np.testing.assert_allclose(np.asarray(parts)[:compared], np.asarray(expected_parts)[:compared], rtol=1e-5)
     scale = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(expected_grads))
     differences = jax.tree.leaves(jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads,
                                                          expected_grads))
@@ -131,6 +154,30 @@ def test_the_complement_masks_exactly_what_the_first_copy_left_and_each_block_at
     has = np.asarray(maskable).any(-1)
     assert np.all(first.any(-1)[has])
     np.testing.assert_allclose(np.asarray(noise.ratio)[:, 3:], 1 - np.asarray(noise.ratio)[:, :3], rtol=1e-6)
+
+
+def test_without_editing_the_masks_are_drawn_as_before_and_editing_corrupts_the_same_positions():
+    """Fraction 0 is today's draw bit for bit (resumption and the bundled recipe hold); with editing
+    the corrupted set is the same, split between masks and substitutes at about r_edit, and uniform
+    substitutes stay inside the given id ranges."""
+    maskable = jnp.asarray(np.random.RandomState(0).rand(64, 3, 8) < 0.7)
+    targets = jnp.asarray(np.random.RandomState(1).randint(20, 30, (64, 3, 8)), jnp.int32)
+    plain = draw_noise(jax.random.key(4), maskable, min_ratio=1e-3, complementary=True)
+    off = draw_noise(jax.random.key(4), maskable, min_ratio=1e-3, complementary=True, editing=Editing(0.0))
+    assert off.substituted is None
+    np.testing.assert_array_equal(np.asarray(off.masked), np.asarray(plain.masked))
+    vocabulary = ((0, 5), (7, 9), (40, 41))
+    edited = draw_noise(jax.random.key(4), maskable, min_ratio=1e-3, complementary=True,
+                        editing=Editing(0.3, vocabulary=vocabulary))
+    np.testing.assert_array_equal(np.asarray(edited.corrupted), np.asarray(plain.masked))
+    substituted, masked = np.asarray(edited.substituted), np.asarray(edited.masked)
+    assert not np.any(substituted & masked)
+    assert abs(substituted.sum() / np.asarray(plain.masked).sum() - 0.3) < 0.05
+    drawn = np.asarray(edited.substitutes)[substituted]
+    assert set(np.unique(drawn)) == {0, 1, 2, 3, 4, 7, 8, 40}
+    data = draw_noise(jax.random.key(4), maskable, min_ratio=1e-3, complementary=True,
+                      editing=Editing(0.3, substitutes="data"), targets=targets)
+    assert set(np.unique(np.asarray(data.substitutes))) <= set(np.unique(np.asarray(targets)[np.asarray(maskable)]))
 
 
 def test_chunked_cross_entropy_has_the_value_and_gradient_of_the_whole_logits():
