@@ -1,7 +1,7 @@
 """notebooks/*.ipynb run end to end on the CPU path (the bundled tiny model), as CI runs them.
 
 Each notebook is executed top to bottom in a fresh kernel with nbclient (`pytest --nbmake notebooks`
-runs the same). `CLOVER_JAX_MODEL=DIR` points both notebooks at another checkpoint.
+runs the same). `CLOVER_JAX_MODEL=DIR` points the notebooks at another checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from clover_jax.api.cli import BUNDLED_MODEL
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["quickstart.ipynb", "decoding_schedules.ipynb"]
+NAMES = ["quickstart.ipynb", "decoding_schedules.ipynb", "finetune.ipynb"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -38,6 +38,7 @@ def test_notebook_runs_end_to_end_on_cpu(name, monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits the environment
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("CLOVER_JAX_FIGURES", str(tmp_path))  # the figures in docs/ are not rewritten by tests
+    monkeypatch.setenv("CLOVER_JAX_WORK", str(tmp_path / "work"))  # the fine-tuning run's data and outputs
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     started = time.perf_counter()
     NotebookClient(notebook, timeout=600, kernel_name="python3",

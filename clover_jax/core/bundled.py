@@ -15,6 +15,12 @@ def bundled_model_path() -> Path:
     return BUNDLED / "tiny-clover"
 
 
+def bundled_editing_path() -> Path:
+    """The tiny Clover fine-tuned further with LLaDA2.1's token-editing objective (same architecture,
+    tokenizer and task): the model `joint_threshold`'s edits of decided positions are trained for."""
+    return BUNDLED / "tiny-clover-editing"
+
+
 def bundled_base_path() -> Path:
     """The tiny Clover's autoregressive base (`qwen3_5_moe_text`: no mask token, no block-mode
     tensors), which `clover-jax train` converts into a Clover (`make demo-train`)."""

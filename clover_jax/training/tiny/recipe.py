@@ -2,6 +2,8 @@
 
 * `train_tiny_clover` trains a Clover from random weights with `finetune` (block sizes 4, 8, 16
   and 32, drawn with weights): the recipe of `clover_jax/bundled/tiny-clover`.
+* `train_tiny_editing` fine-tunes the tiny Clover further with LLaDA2.1's token-editing objective
+  (`clover_jax/bundled/tiny-clover-editing`), the model `joint_threshold`'s edits are made for.
 * `train_tiny_base` trains the same architecture as a plain Qwen3.5-MoE model
   (`qwen3_5_moe_text`, no mask token, no block-mode tensors) on the next-token loss alone:
   `clover_jax/bundled/tiny-qwen-base`, which answers autoregressively and cannot decode by
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.core.bundled import bundled_base_path, bundled_model_path
+from clover_jax.core.bundled import bundled_base_path, bundled_editing_path, bundled_model_path
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.state import empty_state
 from clover_jax.nn.model import CloverTransformer
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_DIR = str(bundled_model_path())
 BASE_DIR = str(bundled_base_path())
+EDITING_DIR = str(bundled_editing_path())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,20 @@ def task_controls(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+# The editing variant: the shipped tiny Clover trained further on lists of 4 to 12 digits with token editing
+# (docs/training.md, "Token editing"): 20% of the corrupted positions hold a token drawn from the batch's loss
+# tokens (a wrong digit for a digit, the errors a parallel decoder makes) and the kept positions add a keep
+# term at weight 0.5. The lists of 9 to 12 digits are new to it: the split where a falling threshold costs
+# accuracy, which editing can win back (docs/schedules.md). `EDITING_CONTROL` is the same run without
+# editing, the comparison that tells what the objective did. A data seed of its own.
+EDITING_RECIPE = Recipe(task=SortDigits(min_digits=4, max_digits=12))
+EDITING = FinetuneConfig(
+    steps=1500, batch_size=16, seq_len=64, block_size=(4, 8, 16, 32), block_size_weights=(0.15, 0.35, 0.35, 0.15),
+    learning_rate=1e-3, warmup_steps=50, weight_decay=0.01, grad_clip=1.0, load_balance_weight=0.0,
+    edit_fraction=0.2, edit_substitutes="data", edit_keep_weight=0.5, seed=1, checkpoint_every=500, log_every=25)
+EDITING_CONTROL = dataclasses.replace(EDITING, edit_fraction=0.0, edit_keep_weight=0.0)
+
+
 # `make demo-train`: the base converted into a Clover with `clover-jax train` (scripts/demo_train.py).
 CONVERSION = FinetuneConfig(steps=750, batch_size=8, seq_len=128, block_size=16, learning_rate=3e-3,
                             warmup_steps=20, load_balance_weight=0.0, log_every=25,
@@ -167,11 +184,14 @@ def init_params(config: CloverConfig, seed: int) -> dict:
 
 
 def write_task_data(path: str | os.PathLike, task: SortDigits, *, count: int, seed: int,
-                    thinking_fraction: float) -> str:
-    """`count` training conversations of the task as chat JSONL (held-out problems excluded); a
-    fraction answers with reasoning, the rest with an empty thinking segment."""
+                    thinking_fraction: float, also_excluded: tuple[SortDigits, ...] = ()) -> str:
+    """`count` training conversations of the task as chat JSONL (held-out problems excluded, and those
+    of `also_excluded`'s tasks); a fraction answers with reasoning, the rest with an empty thinking segment."""
     rng = np.random.default_rng([seed, 3])
-    problems = task.training_sampler(seed).problems(0, count)
+    sampler = task.training_sampler(seed)
+    if also_excluded:
+        sampler.excluded = sampler.excluded.union(*(frozenset(other.held_out(1000)) for other in also_excluded))
+    problems = sampler.problems(0, count)
     with open(path, "w", encoding="utf-8") as handle:
         for problem in problems:
             thinking = bool(rng.random() < thinking_fraction)
@@ -227,6 +247,25 @@ def train_tiny_clover(out_dir: str = BUNDLED_DIR, recipe: Recipe = Recipe(), che
         started = time.perf_counter()
         result = finetune(start, data, out_dir, config=config, progress=progress)
     return _summary(out_dir, recipe, result.metrics, time.perf_counter() - started)
+
+
+def train_tiny_editing(out_dir: str = EDITING_DIR, recipe: Recipe = EDITING_RECIPE, config: FinetuneConfig = EDITING,
+                       checkpoint_dir: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train the shipped tiny Clover further with `config` (`EDITING`, or `EDITING_CONTROL`) on
+    `recipe`'s task and write it to `out_dir`. The held-out lists of the shipped task (4-8 digits) and
+    of the longer ones (9-12) stay out of its data."""
+    from clover_jax.training.trainer import finetune
+
+    with tempfile.TemporaryDirectory(prefix="tiny-editing-") as scratch:
+        data = write_task_data(os.path.join(scratch, "train.jsonl"), recipe.task, count=recipe.examples,
+                               seed=config.seed, thinking_fraction=recipe.thinking_fraction,
+                               also_excluded=(Recipe().task, SortDigits(min_digits=9, max_digits=12)))
+        config = dataclasses.replace(config, checkpoint_dir=checkpoint_dir or config.checkpoint_dir,
+                                     generation_config=task_controls(recipe))
+        started = time.perf_counter()
+        result = finetune(BUNDLED_DIR, data, out_dir, config=config, progress=progress)
+    return _summary(out_dir, dataclasses.replace(recipe, train=config), result.metrics,
+                    time.perf_counter() - started)
 
 
 def train_tiny_base(out_dir: str = BASE_DIR, recipe: Recipe = BASE_RECIPE, progress: bool = True) -> dict[str, Any]:
