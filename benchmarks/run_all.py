@@ -9,7 +9,8 @@ models, then a first burst against later ones), chunked_prefill.py (a long promp
 running requests), serving_http.py (the server in a subprocess under 16 `openai` clients, against the same baseline),
 prefix_cache.py (an agent's growing transcript with and without the engine's prefix cache), soak.py
 (one server under a thousand mixed requests: memory, leftovers, errors), training.py, lora.py (LoRA
-and QLoRA against full fine-tuning)
+and QLoRA against full fine-tuning), editing_schedules.py (joint_threshold against LowConfidence on the
+token-editing variant of the bundled model)
 (the train step's objectives side by side),
 forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
 load_orbax.py (the last two with their own defaults), roofline.py
@@ -49,7 +50,8 @@ from benchmarks.sections import RENDER, TITLES, bound_text, f, table  # noqa: E4
 setup_environment()
 
 SCRIPTS = ["decoding", "serving", "serving_burst", "chunked_prefill", "serving_http", "prefix_cache", "soak",
-           "training", "lora", "forward_cost", "expert_scaling", "context_scaling", "compile", "moe_scaling", "load",
+           "training", "lora", "editing_schedules", "forward_cost", "expert_scaling",
+           "context_scaling", "compile", "moe_scaling", "load",
            "load_orbax", "roofline", "compile_targets", "train_compile", "serve_compile"]
 QUICK_ARGS = {"serving_burst": ["--models", "bundled", "--later", "1", "--new", "16"],
               "load": ["--gigabytes", "0.4", "--repetitions", "1"],

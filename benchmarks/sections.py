@@ -158,6 +158,20 @@ def render_chunked_prefill(j: dict):
                     f(balanced["first_token_ratio"])]]
 
 
+def render_editing_schedules(j: dict):
+    rows = []
+    for model, scores in j["aup"].items():
+        joint = max((score, curve) for curve, score in scores.items() if curve != "low_confidence")
+        rows.append([model, f(scores["low_confidence"]), f(joint[0]), joint[1]])
+    lines = table(["model", "LowConfidence AUP", "best joint_threshold AUP", "its setting"], rows)
+    lines += [f"Held-out lists of {j['digits'][0]}-{j['digits'][1]} digits, block {j['block_size']}, {j['prompts']} "
+              f"prompts; y_max {f(j['y_max'])}% (the best cell of any model). Every cell is in the JSON below.", ""]
+    editing = j["aup"]["editing"]
+    best = max(score for curve, score in editing.items() if curve != "low_confidence")
+    return lines, [["editing_schedules", "editing model: best joint_threshold AUP / LowConfidence AUP",
+                    f(best / editing["low_confidence"])]]
+
+
 def render_serve_compile(j: dict):
     rows = [[r["set"], r["target"], r["quantize"] or "bfloat16", "/".join(map(str, r["block_sizes"])),
              r["max_running"], r["max_context"], r["programs"], r["with_a_forward"],
@@ -477,6 +491,7 @@ def render_lora(j: dict):
 
 RENDER = {"decoding": render_decoding, "serving": render_serving, "serving_burst": render_serving_burst,
           "chunked_prefill": render_chunked_prefill, "serve_compile": render_serve_compile,
+          "editing_schedules": render_editing_schedules,
           "serving_http": render_serving_http,
           "prefix_cache": render_prefix_cache,
           "training": render_training,
@@ -493,6 +508,8 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
           "serving_burst": "Serving: `clover-jax serve --precompile` with default flags, then a first burst "
                            "(`benchmarks/serving_burst.py`)",
           "chunked_prefill": "Chunked prefill beside running requests (`benchmarks/chunked_prefill.py`)",
+          "editing_schedules": "Token editing: LowConfidence against joint_threshold on the shipped, editing and "
+                               "control models (`benchmarks/editing_schedules.py`)",
           "serve_compile": "Clover-35B's served set compiled for its accelerators (`benchmarks/serve_compile.py`)",
           "serving_http": "Serving through HTTP: the server under 16 `openai` clients vs `generate` one at a time "
                           "(`benchmarks/serving_http.py`)",
