@@ -243,3 +243,22 @@ def test_remat_recomputes_the_layer_groups_to_the_same_loss_and_gradient(model, 
     # float32's last bits, so each leaf is compared at 1e-5 of its own scale.
     for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_uniform_substitutes_come_from_the_tokenizers_ordinary_ids():
+    """The trainer's vocabulary for "uniform" substitutes: every id below the model's vocabulary but
+    the special ones (<|endoftext|>, <|im_start|>, <|im_end|>, <|mask|>, <|unk|> in the bundled
+    tokenizer); <think> and </think> stay, as Qwen's tokenizers keep them in decoded text."""
+    from clover_jax.core.bundled import bundled_model_path
+    from clover_jax.core.config import CloverConfig
+    from clover_jax.text.tokenizer import Tokenizer
+    from clover_jax.training.trainer import substitute_vocabulary
+
+    path = bundled_model_path()
+    tokenizer, config = Tokenizer.from_pretrained(path), CloverConfig.from_pretrained(path)
+    ranges = substitute_vocabulary(tokenizer, config)
+    allowed = {index for start, stop in ranges for index in range(start, stop)}
+    special = {tokenizer.token_to_id(token) for token in
+               ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|unk|>")}
+    assert allowed == set(range(min(len(tokenizer), config.vocab_size))) - special
+    assert {tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")} <= allowed
