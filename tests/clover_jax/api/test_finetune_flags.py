@@ -40,7 +40,8 @@ def test_every_field_is_a_flag_with_a_help_line(name, left_out):
 
 
 def test_the_closed_sets_are_the_ones_the_issue_names():
-    assert set(CLOSED) == {"method", "loss_weighting", "param_dtype", "remat", "lora_targets", "quantize"}
+    assert set(CLOSED) == {"method", "loss_weighting", "param_dtype", "remat", "lora_targets", "quantize",
+                           "edit_substitutes"}
     assert flags_of("train")["method"].choices == ("full", "lora")
     assert flags_of("plan")["quantize"].choices == ("int8", "int4", "none")  # none: the default, a float base
     assert "layer_offload" in flags_of("train")["remat"].choices
