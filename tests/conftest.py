@@ -69,6 +69,8 @@ LONGEST_FIRST_SECONDS = {
     "tests/decoding/test_schedules.py": 205,
     "tests/decoding/test_generate.py": 201,
     "tests/clover_jax/api/serving/test_server.py": 182,
+    "tests/test_notebooks.py": 140,
+    "tests/clover_jax/parallel/test_served_set_compile.py": 130,
     "tests/training/test_finetune.py": 162,
     "tests/decoding/test_engine.py": 134,
     "tests/clover_jax/nn/test_long_context.py": 120,
@@ -82,7 +84,6 @@ LONGEST_FIRST_SECONDS = {
     "tests/clover_jax/api/serving/test_openai_conformance.py": 105,
     "tests/decoding/test_speculative.py": 100,
     "tests/clover_jax/api/test_cli.py": 91,
-    "tests/test_notebooks.py": 85,
 }
 LONGEST_FIRST = tuple(sorted(LONGEST_FIRST_SECONDS, key=LONGEST_FIRST_SECONDS.get, reverse=True))
 
