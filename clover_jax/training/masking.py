@@ -65,27 +65,27 @@ def draw_noise(key: jax.Array, maskable: jax.Array, *, min_ratio: float, complem
     first copies, then their complements in the same order)."""
     ratio_key, mask_key, pick_key = jax.random.split(key, 3)
     ratio = jax.random.uniform(ratio_key, maskable.shape[:2], jnp.float32, min_ratio, 1.0 - min_ratio)
-    masked = maskable & (jax.random.uniform(mask_key, maskable.shape) < ratio[..., None])
-    # A block with maskable positions and none drawn masks one of them, chosen uniformly.
+    corrupted = maskable & (jax.random.uniform(mask_key, maskable.shape) < ratio[..., None])
+    # A block with maskable positions and none drawn corrupts one of them, chosen uniformly.
     pick = jnp.argmax(jnp.where(maskable, jax.random.uniform(pick_key, maskable.shape), -1.0), axis=-1)
     forced = jax.nn.one_hot(pick, maskable.shape[-1], dtype=bool) & maskable
-    masked = jnp.where(jnp.any(masked, axis=-1, keepdims=True), masked, forced)
+    corrupted = jnp.where(jnp.any(corrupted, axis=-1, keepdims=True), corrupted, forced)
     if complementary:
-        masked, ratio = (jnp.concatenate([masked, maskable & ~masked], axis=1),
-                         jnp.concatenate([ratio, 1.0 - ratio], axis=1))
+        corrupted, ratio = (jnp.concatenate([corrupted, maskable & ~corrupted], axis=1),
+                            jnp.concatenate([ratio, 1.0 - ratio], axis=1))
     if editing is None or editing.fraction == 0:
-        return Noise(masked, ratio)
+        return Noise(corrupted, ratio)  # without editing every corrupted position holds the mask
     choose_key, token_key = jax.random.split(jax.random.fold_in(key, EDIT_STREAM))
-    substituted = masked & (jax.random.uniform(choose_key, masked.shape) < editing.fraction)
+    substituted = corrupted & (jax.random.uniform(choose_key, corrupted.shape) < editing.fraction)
     if editing.substitutes == "uniform":
-        substitutes = uniform_substitutes(token_key, masked.shape, editing.vocabulary)
+        substitutes = uniform_substitutes(token_key, corrupted.shape, editing.vocabulary)
     elif editing.substitutes == "data":
         if targets is None:
             raise ValueError("\"data\" substitutes are drawn from the micro-batch's loss tokens: pass targets")
-        substitutes = data_substitutes(token_key, masked.shape, targets, maskable)
+        substitutes = data_substitutes(token_key, corrupted.shape, targets, maskable)
     else:
         raise ValueError(f"Editing.substitutes must be one of {SUBSTITUTES}, got {editing.substitutes!r}")
-    return Noise(masked & ~substituted, ratio, substituted, substitutes)
+    return Noise(corrupted & ~substituted, ratio, substituted, substitutes)
 
 
 def uniform_substitutes(key: jax.Array, shape: tuple[int, ...], vocabulary: tuple[tuple[int, int], ...]) -> jax.Array:
