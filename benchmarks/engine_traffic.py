@@ -13,6 +13,21 @@ from clover_jax import bundled_model_path
 BUNDLED_DIR = str(bundled_model_path())
 
 
+class Tickets:
+    """The indices 0..count-1 handed out once each, in order, to the clients' threads."""
+
+    def __init__(self, count: int):
+        self.count, self._next, self._lock = count, 0, threading.Lock()
+
+    def take(self) -> int | None:
+        """The next index, or None when all are taken."""
+        with self._lock:
+            if self._next >= self.count:
+                return None
+            self._next += 1
+            return self._next - 1
+
+
 def closed_loop(engine, requests, concurrency: int) -> dict:
     """Run `requests` through the engine with `concurrency` clients; per request its tokens and
     times (submitted, first tokens, finished)."""
@@ -22,15 +37,13 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
     tokens = [[] for _ in range(count)]
     times = np.zeros((count, 3))
     nfe = [0] * count
-    state = {"next": 0, "done": 0}
+    state, tickets = {"done": 0}, Tickets(count)
     lock, finished = threading.Lock(), threading.Event()
 
     def submit_next():
-        with lock:
-            index = state["next"]
-            if index >= count:
-                return
-            state["next"] += 1
+        index = tickets.take()
+        if index is None:
+            return
         times[index, 0] = time.perf_counter()
         engine.submit(requests[index], lambda event, i=index: listen(i, event))
 

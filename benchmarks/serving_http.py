@@ -68,7 +68,13 @@ setup_environment()
 
 import numpy as np  # noqa: E402
 
-from benchmarks.engine_traffic import BUNDLED_DIR, bundled_requests, closed_loop, random_requests  # noqa: E402
+from benchmarks.engine_traffic import (  # noqa: E402
+    BUNDLED_DIR,
+    Tickets,
+    bundled_requests,
+    closed_loop,
+    random_requests,
+)
 from benchmarks.serving import batching_ceiling  # noqa: E402
 
 CONCURRENCY = 16
@@ -189,15 +195,13 @@ def http_closed_loop(client, name: str, prompts: list[list[int]], max_tokens: in
     per request its text, completion tokens and (sent, answered) times."""
     count = len(prompts)
     texts, tokens, times = [None] * count, [0] * count, np.zeros((count, 2))
-    state, lock, errors = {"next": 0}, threading.Lock(), []
+    tickets, errors = Tickets(count), []
 
     def worker() -> None:
         while not errors:
-            with lock:
-                index = state["next"]
-                if index >= count:
-                    return
-                state["next"] += 1
+            index = tickets.take()
+            if index is None:
+                return
             times[index, 0] = time.perf_counter()
             try:
                 reply = client.completions.create(model=name, prompt=prompts[index], max_tokens=max_tokens,
