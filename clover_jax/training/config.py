@@ -15,7 +15,7 @@ from clover_jax.core.errors import INVALID_TYPE, UNSUPPORTED, FieldError
 from clover_jax.nn.remat import REMAT
 
 LOSS_WEIGHTINGS = ("uniform", "inverse_t")
-EDIT_SUBSTITUTES = ("uniform", "data")  # masking.SUBSTITUTES, named here so that the config needs no JAX
+EDIT_SUBSTITUTES = ("uniform", "data")  # where token editing's substitutes come from (training/masking.py)
 
 METHODS = ("full", "lora")
 QUANTIZE = ("int8", "int4")

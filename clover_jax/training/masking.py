@@ -22,7 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-SUBSTITUTES = ("uniform", "data")
+from clover_jax.training.config import EDIT_SUBSTITUTES
+
 EDIT_STREAM = 0x0ED17  # folded into the step's noise key for the editing draws
 
 
@@ -84,7 +85,7 @@ def draw_noise(key: jax.Array, maskable: jax.Array, *, min_ratio: float, complem
             raise ValueError("\"data\" substitutes are drawn from the micro-batch's loss tokens: pass targets")
         substitutes = data_substitutes(token_key, corrupted.shape, targets, maskable)
     else:
-        raise ValueError(f"Editing.substitutes must be one of {SUBSTITUTES}, got {editing.substitutes!r}")
+        raise ValueError(f"Editing.substitutes must be one of {EDIT_SUBSTITUTES}, got {editing.substitutes!r}")
     return Noise(corrupted & ~substituted, ratio, substituted, substitutes)
 
 
