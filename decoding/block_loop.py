@@ -160,13 +160,15 @@ class StepRules(NamedTuple):
     """How a step decides. controls: scalars (one for the batch) or [b] arrays (one per sequence);
     steps_cap: an int (one for the batch) or int32 [b] (one per sequence, the serving engine's);
     choose(processed logits [b, B, V], keys [b]) -> Choice [b, B]; schedule(view) -> Decision,
-    `view` a `StepView` whose fields carry a leading [b] axis."""
+    `view` a `StepView` whose fields carry a leading [b] axis; fill_at_cap: the step that reaches
+    the cap fills every mask (under a grammar the host decides that step's fills instead)."""
 
     controls: Controls
     ids: TokenIds
     steps_cap: Any
     choose: Callable
     schedule: Callable
+    fill_at_cap: bool = True
 
 
 class StepDetails(NamedTuple):
@@ -187,22 +189,28 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
     choose the candidates, let the schedule decide, apply the decision (docs/design.md §4, §7).
     Shared by `generate`'s loops and the serving engine, which batches sequences at different
     blocks and steps."""
-    size = progress.block.shape[1]
-    response_index = facts.response_base[:, None] + progress.block_index[:, None] * size + jnp.arange(size)[None, :]
-    choice, keys = _choose(progress, facts, logits, response_index, rules)
+    response_index = _response_index(progress, facts)
+    processed, keys = _process(progress, facts, logits, response_index, rules)
+    choice = rules.choose(processed, keys)
     decision = _decide(progress, facts, choice, keys, response_index, rules)
     return _apply(progress, facts, choice, decision, response_index, rules)
 
 
-def _choose(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, response_index: jax.Array,
-            rules: StepRules):
-    """The controls (`process`) and each position's candidate token with its confidence, margin
-    and entropy; the step's key per sequence."""
+def _response_index(progress: BlockProgress, facts: SequenceFacts) -> jax.Array:
+    """int32 [b, B]: each position's response index t (negative in the prompt's tail)."""
+    size = progress.block.shape[1]
+    return facts.response_base[:, None] + progress.block_index[:, None] * size + jnp.arange(size)[None, :]
+
+
+def _process(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, response_index: jax.Array,
+             rules: StepRules):
+    """The controls (`process`) applied to the logits ([b, B, V]), and the step's key per sequence;
+    `rules.choose` then gives each position's candidate with its confidence, margin and entropy."""
     processed = process_batch(logits, progress.counts, response_index, facts.prompt_thinking, rules.controls,
                               rules.ids)
     keys = jax.vmap(lambda key, block, step: jax.random.fold_in(jax.random.fold_in(key, block), step))(
         facts.key, progress.block_index, progress.step)
-    return rules.choose(processed, keys), keys
+    return processed, keys
 
 
 def _decide(progress: BlockProgress, facts: SequenceFacts, choice, keys: jax.Array, response_index: jax.Array,
@@ -230,7 +238,9 @@ def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, resp
     active = ~progress.finished & progress.open
     is_response = response_index >= 0
     full_before = jnp.all(decided, axis=-1)
-    forced = decision.decided | fixed | (step[:, None] + 1 >= steps_cap[:, None])
+    forced = decision.decided | fixed
+    if rules.fill_at_cap:
+        forced = forced | (step[:, None] + 1 >= steps_cap[:, None])
     after = jnp.where(active[:, None], forced, decided)
     filled, remasked = after & ~decided, decided & ~after
     edited = active[:, None] & decision.edit & decided & after & ~fixed & (choice.token != current)
@@ -265,8 +275,9 @@ def _denoise_logits(d: Decoder, state: LoopState):
     return out.logits, out.distinct_experts
 
 
-def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
-    """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the step recorded."""
+def _step_inputs(d: Decoder, state: LoopState, fill_at_cap: bool = True
+                 ) -> tuple[BlockProgress, SequenceFacts, StepRules]:
+    """What `denoising_step` reads of `generate`'s lockstep batch."""
     spec, request, controls = d.spec, d.request, d.controls
     batch = state.progress.block.shape[0]
     progress = state.progress._replace(block_index=jnp.broadcast_to(state.block_iter, (batch,)))
@@ -279,9 +290,16 @@ def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.A
         controls=controls, ids=d.ids, steps_cap=spec.steps_cap,
         choose=lambda processed, keys: jax.vmap(
             lambda logits, k: choose(logits, controls, spec.do_sample, k))(processed, keys),
-        schedule=lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(0, None))(view, request.schedule_params)))
+        schedule=lambda view: as_decision(jax.vmap(spec.schedule, in_axes=(0, None))(view, request.schedule_params)),
+        fill_at_cap=fill_at_cap)
+    return progress, facts, rules
+
+
+def _apply_step(d: Decoder, state: LoopState, logits: jax.Array, distinct: jax.Array) -> LoopState:
+    """One denoising step of `generate`'s lockstep batch: `denoising_step`, then the step recorded."""
+    progress, facts, rules = _step_inputs(d, state)
     progress, details = denoising_step(progress, facts, logits, rules)
-    return _record_step(spec, state, progress, details, distinct)
+    return _record_step(d.spec, state, progress, details, distinct)
 
 
 def _record_step(spec: LoopSpec, state: LoopState, progress: BlockProgress, details: StepDetails,
@@ -330,6 +348,13 @@ def _denoise_step(d: Decoder, state: LoopState) -> LoopState:
 
 def _commit_step(d: Decoder, state: LoopState) -> LoopState:
     """Commit the decided block and run the first denoising step of the next, in one forward."""
+    state, logits, distinct = _commit_logits(d, state)
+    return _apply_step(d, state, logits, distinct)
+
+
+def _commit_logits(d: Decoder, state: LoopState) -> tuple[LoopState, jax.Array, jax.Array]:
+    """The commit of the decided block fused with the next block's first forward: (the state on
+    the new block, its logits [b, B, V], the distinct experts)."""
     progress = state.progress
     masks = jnp.full_like(progress.block, d.ids.mask)
     out = d.passes.commit_and_denoise(d.params, progress.block, masks, state.model, coreset=d.spec.coreset,
@@ -338,7 +363,7 @@ def _commit_step(d: Decoder, state: LoopState) -> LoopState:
     progress = progress._replace(block=masks, decided=none, fixed=none, step=jnp.zeros_like(progress.step),
                                  open=~progress.finished, post_fill=jnp.zeros_like(progress.post_fill))
     state = state._replace(model=out.state, progress=progress, block_iter=state.block_iter + 1)
-    return _apply_step(d, state, out.logits, out.distinct_experts)
+    return state, out.logits, out.distinct_experts
 
 
 def _finish_block(d: Decoder, state: LoopState) -> LoopState:
@@ -440,3 +465,58 @@ def next_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request
     d = Decoder(passes, params, spec, request, controls, ids)
     return _commit_step(d, state) if commit else _denoise_step(d, state)
 
+
+
+# ---------------------------------------------------------------------- steps under a grammar
+class Proposed(NamedTuple):
+    """A denoising step before its decision is applied, for the host's grammar to vet
+    (`decoding.constraints.drivers`). b = batch, B = block size."""
+
+    choice: Any                  # `decoding.controls.Choice` [b, B]: the candidates, from the unmasked logits
+    decision: Any                # the schedule's `Decision` [b, B]
+    frontier_token: jax.Array    # int32 [b]: the frontier's candidate if the grammar allows it, else the
+    #                              choice among the tokens it allows
+    distinct: jax.Array          # the forward's distinct experts
+
+
+@persistent_jit(static_argnames=_STATIC + ("track_steps",))
+def start_prefill(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+                  ids: TokenIds, track_steps: bool = False) -> LoopState:
+    """The prefill alone (host-driven decoding under a grammar, one proposal and one decision per
+    step); track_steps: every step leaves its record in `last_step` (`on_step`)."""
+    return _start(Decoder(passes, params, spec, request, controls, ids), track_steps=track_steps)
+
+
+@persistent_jit(static_argnames=_STATIC + ("commit",), donate_argnames=("state",))
+def propose_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+                 ids: TokenIds, state: LoopState, *, frontier: jax.Array, allowed: jax.Array,
+                 commit: bool) -> tuple[LoopState, Proposed]:
+    """One forward (`commit`: fused with the commit of the decided block, the new block's first
+    step) and the schedule's proposal on it. frontier: int32 [b], the position whose candidate
+    the grammar masks (any value where `allowed` is all ones); allowed: bool [b, V]."""
+    d = Decoder(passes, params, spec, request, controls, ids)
+    state, logits, distinct = _commit_logits(d, state) if commit else (state, *_denoise_logits(d, state))
+    progress, facts, rules = _step_inputs(d, state, fill_at_cap=False)
+    response_index = _response_index(progress, facts)
+    processed, keys = _process(progress, facts, logits, response_index, rules)
+    choice = rules.choose(processed, keys)
+    decision = _decide(progress, facts, choice, keys, response_index, rules)
+    rows = jnp.arange(processed.shape[0])
+    front = jnp.clip(frontier, 0, processed.shape[1] - 1)
+    masked = jnp.where(allowed, processed[rows, front], -jnp.inf)[:, None]
+    masked_choice = rules.choose(masked, keys).token[:, 0]
+    candidate = choice.token[rows, front]
+    frontier_token = jnp.where(allowed[rows, candidate], candidate, masked_choice)
+    return state, Proposed(choice=choice, decision=decision, frontier_token=frontier_token, distinct=distinct)
+
+
+@persistent_jit(static_argnames=_STATIC, donate_argnames=("state",))
+def apply_proposal(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request, controls: Controls,
+                   ids: TokenIds, state: LoopState, proposed: Proposed) -> LoopState:
+    """The step as the host's grammar let it stand: `proposed.decision` and the candidates
+    (`proposed.choice.token`) as vetted; no step fills every mask at the cap."""
+    d = Decoder(passes, params, spec, request, controls, ids)
+    progress, facts, rules = _step_inputs(d, state, fill_at_cap=False)
+    progress, details = _apply(progress, facts, proposed.choice, proposed.decision, _response_index(progress, facts),
+                               rules)
+    return _record_step(spec, state, progress, details, proposed.distinct)

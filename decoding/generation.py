@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
-from clover_jax.core.errors import INVALID_TYPE, MISSING_FIELD, FieldError
+from clover_jax.core.errors import INVALID_TYPE, MISSING_FIELD, UNSUPPORTED, FieldError
 from clover_jax.core.passes import ModelPasses
 from decoding.block_loop import next_block, next_step, results, start_blocks, start_steps
 from decoding.controls import Controls, TokenIds
@@ -133,7 +134,10 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_
     options = _Options(return_trajectory=return_trajectory, return_history=return_history, on_block=on_block,
                        streamer=streamer, on_step=on_step, progress=progress)
     started = time.perf_counter()
-    output = _DRIVERS[decoder.mode](inputs, options)
+    if config.constraint is not None:
+        output = _generate_constrained(decoder.mode, inputs, options)
+    else:
+        output = _DRIVERS[decoder.mode](inputs, options)
     output.wall_time = time.perf_counter() - started
     return output
 
@@ -216,6 +220,72 @@ def _generate_self_speculative(inputs: _Inputs, options: _Options) -> GenerateOu
     model.check_memory(len(inputs.prompts), call.capacity, call.block)
     return self_speculative_output(jax.device_get(call.run()), lengths=call.lengths,
                                    return_trajectory=options.return_trajectory)
+
+
+# ---------------------------------------------------------------------- under a grammar
+def _generate_constrained(mode: Mode, inputs: _Inputs, options: _Options) -> GenerateOutput:
+    """Every mode under `config.constraint`, one compiled call per step (`decoding.constraints.drivers`)."""
+    from decoding.constraints import drivers
+    from decoding.constraints.commit_rule import BlockGrammar
+
+    model, config = inputs.model, inputs.config
+    matchers = _matchers(model, config, inputs.thinking)
+    trace = drivers.Trace()
+    if mode is Mode.AUTOREGRESSIVE:
+        call = autoregressive_call(model.passes, model.run_params, inputs.prompts, config, model.chunk_size,
+                                   key=inputs.key, thinking=inputs.thinking, controls=inputs.controls, ids=inputs.ids)
+        model.check_memory(len(inputs.prompts), call.capacity, call.block)
+        output = autoregressive_output(drivers.autoregressive(call, matchers, trace))
+    elif mode is Mode.SELF_SPECULATIVE:
+        coreset, coreset_top_p = coreset_of(config, model.config)
+        call = self_speculative_call(model.passes, model.run_params, inputs.prompts, config, model.chunk_size,
+                                     coreset=coreset, coreset_top_p=coreset_top_p, thinking=inputs.thinking,
+                                     controls=inputs.controls, ids=inputs.ids, trajectory=options.return_trajectory)
+        model.check_memory(len(inputs.prompts), call.capacity, call.block)
+        output = self_speculative_output(drivers.self_speculative(call, matchers, trace), lengths=call.lengths,
+                                         return_trajectory=options.return_trajectory)
+    else:
+        coreset, coreset_top_p = coreset_of(config, model.config)
+        call = diffusion_call(model.passes, model.run_params, inputs.prompts, config, model.chunk_size,
+                              coreset=coreset, coreset_top_p=coreset_top_p, key=inputs.key, thinking=inputs.thinking,
+                              controls=inputs.controls, ids=inputs.ids, history=options.return_history)
+        model.check_memory(len(inputs.prompts), call.capacity, call.block)
+        grammars = [BlockGrammar(matcher, config.constraint_gap_rule) for matcher in matchers]
+        bar = (tqdm(total=len(inputs.prompts) * config.max_new_tokens, unit="tok", desc="decoding")
+               if options.progress else None)
+        reporter = None
+        if options.on_block is not None or options.streamer is not None or bar is not None:
+            reporter = BlockReporter(inputs.prompts, call.tails, config.max_new_tokens, config.eos_token_id,
+                                     options.on_block, options.streamer, bar)
+        try:
+            final = drivers.diffusion(call, grammars, trace, reporter=reporter, on_step=options.on_step)
+        finally:
+            if reporter is not None:
+                reporter.close()
+            if bar is not None:
+                bar.close()
+        output = diffusion_output(final, tails=call.tails, new=config.max_new_tokens,
+                                  eos_token_id=config.eos_token_id, return_trajectory=options.return_trajectory)
+    output.constraint = dict(steps=trace.steps, grammar_seconds=trace.grammar_seconds,
+                             grammar_seconds_per_step=trace.grammar_seconds_per_step, options=dict(trace.options),
+                             complete=[matcher.accepting for matcher in matchers])
+    return output
+
+
+def _matchers(model: DecodingModel, config: GenerationConfig, thinking: np.ndarray) -> list:
+    """One grammar matcher per prompt, from the checkpoint's tokenizer.json."""
+    from decoding.constraints import compile_constraint
+
+    constraint = config.constraint
+    directory = getattr(model, "path", None)
+    tokenizer_path = os.path.join(directory, "tokenizer.json") if directory else None
+    if tokenizer_path is None or not os.path.isfile(tokenizer_path):
+        raise FieldError(constraint.field, "a constraint is compiled against the model's tokenizer: the model "
+                                           f"needs a checkpoint directory with tokenizer.json (path: {directory!r})",
+                         code=UNSUPPORTED)
+    return [compile_constraint(constraint, tokenizer_path=tokenizer_path, vocab_size=model.config.vocab_size,
+                               eos_token_ids=config.eos_token_id, think_end_token_id=config.think_end_token_id,
+                               thinking=bool(thinking[i])) for i in range(len(thinking))]
 
 
 # The loop each mode runs.

@@ -30,6 +30,7 @@ from clover_jax.core.errors import INVALID_TYPE, INVALID_VALUE, UNKNOWN_FIELD, F
 from clover_jax.core.hub import resolve_checkpoint
 from clover_jax.core.json_fields import ConfigError, JsonFields, is_finite_number, is_integer, read_json_object, show
 from decoding import schedules
+from decoding.constraints.spec import GAP_RULES, Constraint
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,13 @@ class GenerationConfig:
     entropy_bound: float = 1.0             # entropy_bounded schedule: nats filled per step
     coreset: bool | None = None            # None: the model config's moe_block_coreset_enabled
     coreset_top_p: float | None = None     # None: the model config's moe_block_coreset_top_p
+    # the grammar the answer keeps to (docs/structured_outputs.md): a `Constraint`, or a dict such as
+    # {"regex": "[0-9]+"}, {"json_schema": {...}}, {"json_object": true}, {"lark": "start: ..."}
+    constraint: Constraint | None = None
+    constraint_gap_rule: str = "witness"   # diffusion: commits past an undecided position ("witness") or not
 
     def __post_init__(self):
+        object.__setattr__(self, "constraint", Constraint.of(self.constraint))
         if is_integer(self.eos_token_id):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         elif isinstance(self.eos_token_id, (list, tuple)) or self.eos_token_id is None:
@@ -201,6 +207,8 @@ class GenerationConfig:
         need("margin_threshold", self.margin_threshold >= 0,
              f"margin_threshold must be >= 0, got {self.margin_threshold}")
         need("entropy_bound", self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}")
+        need("constraint_gap_rule", self.constraint_gap_rule in GAP_RULES,
+             f"constraint_gap_rule must be one of {GAP_RULES}, got {self.constraint_gap_rule!r}")
         if self.coreset_top_p is not None:
             need("coreset_top_p", 0.0 < self.coreset_top_p <= 1.0,
                  f"coreset_top_p must be in (0, 1], got {self.coreset_top_p}")
@@ -219,7 +227,7 @@ CLOVER_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Gen
 
 # The reader of each annotation's leading type, for generation_config.json (see `read_generation_config_json`).
 _JSON_READERS = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "tuple": "ids",
-                 "Mapping": "mapping"}
+                 "Mapping": "mapping", "Constraint": "mapping"}
 
 
 def json_reader(field: dataclasses.Field) -> str:

@@ -28,6 +28,10 @@ class GenerateOutput:
     wall_time: float = 0.0
     trajectory: list[dict[str, list]] | None = None
     history: History | None = None  # with return_history=True: every denoising step, NumPy arrays [b, S, ...]
+    # under a constraint: steps (compiled calls), grammar_seconds (host time in the grammar, in all and per
+    # step), options (diffusion: how often each option of the commit rule stood), complete (per prompt:
+    # the answer is complete under the grammar)
+    constraint: dict | None = None
 
 
 def diffusion_output(final, *, tails: np.ndarray, new: int, eos_token_id: Sequence[int],

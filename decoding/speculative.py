@@ -155,13 +155,16 @@ def draft_tokens(block_logits: jax.Array, counts: jax.Array, lengths: jax.Array,
 
 def accept_drafts(logits: jax.Array, drafts: jax.Array, counts: jax.Array, lengths: jax.Array,
                   prompt_thinking: jax.Array, controls: Controls, ids: TokenIds, *, max_new_tokens: jax.Array,
-                  active: jax.Array) -> Acceptance:
+                  active: jax.Array, draft_limit: jax.Array | None = None) -> Acceptance:
     """Step 3: the causal choices (logits: float32 [b, B+1, vocab], row j the causal logits before
     draft position j — the pending row's, then the verification rows'), the accepted run and what
-    the round emits, cut after the first EOS and at max_new_tokens."""
+    the round emits, cut after the first EOS and at max_new_tokens. draft_limit: int32 [b], the
+    most drafts a sequence may accept (a grammar's cut), or None."""
     batch, size = drafts.shape
     choices = causal_choices(logits, drafts, counts, lengths, prompt_thinking, controls, ids)
     accepted = jnp.sum(jnp.cumprod((drafts == choices[:, :size]).astype(jnp.int32), axis=1), axis=1)
+    if draft_limit is not None:
+        accepted = jnp.minimum(accepted, draft_limit)
     offsets = jnp.arange(size + 1)
     is_eos = jnp.any(choices[..., None] == ids.eos, axis=-1) & (offsets <= accepted[:, None])
     through_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, size + 1)
@@ -174,6 +177,55 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, counts: jax.Array, lengt
     return Acceptance(choices, accepted, emitted, counts, new_lengths, finished)
 
 
+class Drafted(NamedTuple):
+    """Step 1 of a round: the drafts and the state they were drafted on ([b] unless noted)."""
+
+    model: ModelState            # the pending token appended
+    drafts: jax.Array            # int32 [b, B]
+    pending_logits: jax.Array    # float32 [b, 1, vocab]: the causal logits before the first draft
+    distinct_experts: jax.Array  # float32: of the draft pass, mean over layers (zeros unless collected)
+
+
+def draft_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
+                controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, *, model: ModelState,
+                pending: jax.Array, counts: jax.Array, lengths: jax.Array,
+                distinct_experts: bool = False) -> Drafted:
+    """Step 1: the pending token's row appended and the masked block denoised into drafts."""
+    batch = pending.shape[0]
+    masks = jnp.full((batch, size), ids.mask, jnp.int32)
+    # the pending token's row (appended) and its logits, then the masked block's
+    draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
+                                      coreset_top_p=coreset_top_p, committed_logits=True,
+                                      distinct_experts=distinct_experts)
+    drafts = draft_tokens(draft.logits[:, 1:], counts, lengths, prompt_thinking, controls, ids)
+    distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
+                else jnp.zeros((batch,), jnp.float32))
+    return Drafted(draft.state, drafts, draft.logits[:, :1], distinct)
+
+
+def verify_round(passes: ModelPasses, params: Any, size: int, controls: Controls, ids: TokenIds,
+                 prompt_thinking: jax.Array, *, drafted: Drafted, model: ModelState, counts: jax.Array,
+                 lengths: jax.Array, max_new_tokens: jax.Array, active: jax.Array,
+                 allowed: jax.Array | None = None, draft_limit: jax.Array | None = None) -> RoundOutcome:
+    """Steps 2-4: verify the drafts in one causal pass, accept, and roll back. model: the state the
+    round started from (frozen for sequences not active); allowed: bool [b, B+1, vocab], row j the
+    tokens a grammar takes before draft position j (logits outside it at -inf), or None;
+    draft_limit: the drafts the grammar takes (`accept_drafts`)."""
+    drafts = drafted.drafts
+    verify = passes.recording_causal(params, drafts, drafted.model)
+    logits = jnp.concatenate([drafted.pending_logits, verify.logits], axis=1)  # row j: before position j
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    out = accept_drafts(logits, drafts, counts, lengths, prompt_thinking, controls, ids,
+                        max_new_tokens=max_new_tokens, active=active, draft_limit=draft_limit)
+    rolled = passes.rolled_back(verify.state, jnp.where(active, out.accepted, 0), size)
+    rolled = rolled._replace(length=jnp.where(active, rolled.length, model.length))  # not active: frozen
+    next_pending = jnp.take_along_axis(out.choices, out.accepted[:, None], axis=1)[:, 0]
+    return RoundOutcome(model=rolled, pending=next_pending, choices=out.choices, emitted=out.emitted,
+                        counts=out.counts, lengths=out.lengths, finished=out.finished, drafts=drafts,
+                        accepted=out.accepted, distinct_experts=drafted.distinct_experts)
+
+
 def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool, coreset_top_p: jax.Array,
                       controls: Controls, ids: TokenIds, prompt_thinking: jax.Array, *, max_new_tokens: jax.Array,
                       model: ModelState, pending: jax.Array, counts: jax.Array, lengths: jax.Array,
@@ -182,37 +234,15 @@ def speculative_round(passes: ModelPasses, params: Any, size: int, coreset: bool
     once; each at its own fill (`model.length` int32 [b]). controls: one for the batch (scalars)
     or one per sequence ([b] arrays). The draft pass's distinct experts are collected only with
     `distinct_experts` (zeros otherwise)."""
-    batch = pending.shape[0]
-    masks = jnp.full((batch, size), ids.mask, jnp.int32)
-    # the pending token's row (appended) and its logits, then the masked block's
-    draft = passes.commit_and_denoise(params, pending[:, None], masks, model, coreset=coreset,
-                                      coreset_top_p=coreset_top_p, committed_logits=True,
-                                      distinct_experts=distinct_experts)
-    drafts = draft_tokens(draft.logits[:, 1:], counts, lengths, prompt_thinking, controls, ids)
-    verify = passes.recording_causal(params, drafts, draft.state)
-    logits = jnp.concatenate([draft.logits[:, :1], verify.logits], axis=1)  # row j: before position j
-    out = accept_drafts(logits, drafts, counts, lengths, prompt_thinking, controls, ids,
-                        max_new_tokens=max_new_tokens, active=active)
-
-    rolled = passes.rolled_back(verify.state, jnp.where(active, out.accepted, 0), size)
-    rolled = rolled._replace(length=jnp.where(active, rolled.length, model.length))  # not active: frozen
-    next_pending = jnp.take_along_axis(out.choices, out.accepted[:, None], axis=1)[:, 0]
-    distinct = (jnp.mean(draft.distinct_experts.astype(jnp.float32), axis=0) if distinct_experts
-                else jnp.zeros((batch,), jnp.float32))
-    return RoundOutcome(model=rolled, pending=next_pending, choices=out.choices, emitted=out.emitted,
-                        counts=out.counts, lengths=out.lengths, finished=out.finished, drafts=drafts,
-                        accepted=out.accepted, distinct_experts=distinct)
+    drafted = draft_round(passes, params, size, coreset, coreset_top_p, controls, ids, prompt_thinking, model=model,
+                          pending=pending, counts=counts, lengths=lengths, distinct_experts=distinct_experts)
+    return verify_round(passes, params, size, controls, ids, prompt_thinking, drafted=drafted, model=model,
+                        counts=counts, lengths=lengths, max_new_tokens=max_new_tokens, active=active)
 
 
-@persistent_jit(static_argnames=("passes", "spec"))
-def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded,
-                         coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
-    """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
-
-    prompts: the left-padded prompts (`decoding.autoregressive.LeftPadded`); coreset_top_p: float32 [];
-    passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with.
-    """
-    prompt_ids, start, max_new_tokens, prompt_thinking = prompts
+def _initial(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded) -> SpeculativeState:
+    """The prefill of all but each prompt's last token (the first round's pending token)."""
+    prompt_ids, start = prompts.prompt_ids, prompts.start
     batch, size = prompt_ids.shape[0], spec.block_size
     vocab, limit = passes.config.vocab_size, spec.max_new_tokens
     capacity = spec.prompt_length + spec.max_new_tokens + size
@@ -224,33 +254,82 @@ def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec
         rounds = Rounds(jnp.zeros((batch, limit, size), jnp.int32), jnp.zeros((batch, limit), jnp.int32),
                         jnp.zeros((batch, limit), jnp.int32), jnp.zeros(batch, jnp.int32))
     has_prefill = (spec.prompt_length - start) > 1
-    initial = SpeculativeState(model=model_state, pending=prompt_ids[:, -1],
-                               tokens=jnp.zeros((batch, limit), jnp.int32), counts=jnp.zeros((batch, vocab), jnp.int32),
-                               finished=jnp.zeros(batch, bool), lengths=jnp.zeros(batch, jnp.int32),
-                               nfe=has_prefill.astype(jnp.int32),
-                               distinct_experts=jnp.zeros((batch, limit), jnp.float32), rounds=rounds,
-                               round=jnp.int32(0))
+    return SpeculativeState(model=model_state, pending=prompt_ids[:, -1],
+                            tokens=jnp.zeros((batch, limit), jnp.int32), counts=jnp.zeros((batch, vocab), jnp.int32),
+                            finished=jnp.zeros(batch, bool), lengths=jnp.zeros(batch, jnp.int32),
+                            nfe=has_prefill.astype(jnp.int32),
+                            distinct_experts=jnp.zeros((batch, limit), jnp.float32), rounds=rounds,
+                            round=jnp.int32(0))
 
+
+def _record_round(spec: SpeculativeSpec, s: SpeculativeState, out: RoundOutcome, active: jax.Array) -> SpeculativeState:
+    """The loop state after a round: its emitted tokens written, the round recorded."""
+    batch, size, limit = s.pending.shape[0], spec.block_size, spec.max_new_tokens
+    offsets = jnp.arange(size + 1)
+    written = offsets[None, :] < out.emitted[:, None]                                 # [b, B+1]
+    columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped
+    tokens = s.tokens.at[jnp.arange(batch)[:, None], columns].set(out.choices, mode="drop")
+    distinct = s.distinct_experts.at[:, s.round].set(jnp.where(active, out.distinct_experts, 0.0))
+    rounds = s.rounds
+    if spec.trajectory:
+        at = jnp.where(active, s.round, limit)  # finished sequences: dropped
+        put = lambda buffer, value: buffer.at[jnp.arange(batch), at].set(value, mode="drop")
+        rounds = Rounds(put(rounds.drafts, out.drafts), put(rounds.accepted, out.accepted),
+                        put(rounds.emitted, out.emitted), rounds.num_rounds + active)
+    return SpeculativeState(model=out.model, pending=out.pending, tokens=tokens, counts=out.counts,
+                            finished=s.finished | out.finished, lengths=out.lengths, nfe=s.nfe + 2 * active,
+                            distinct_experts=distinct, rounds=rounds, round=s.round + 1)
+
+
+@persistent_jit(static_argnames=("passes", "spec"))
+def run_self_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded,
+                         coreset_top_p: jax.Array, controls: Controls, ids: TokenIds) -> SpeculativeResults:
+    """Prefill, then draft / verify / roll back rounds until every sequence is finished: one program.
+
+    prompts: the left-padded prompts (`decoding.autoregressive.LeftPadded`); coreset_top_p: float32 [];
+    passes: the model's pass interface (`CloverModel.passes`); params: in the layout it runs with.
+    """
     def one_round(s: SpeculativeState) -> SpeculativeState:
         active = ~s.finished
-        out = speculative_round(passes=passes, params=params, size=size, coreset=spec.coreset,
+        out = speculative_round(passes=passes, params=params, size=spec.block_size, coreset=spec.coreset,
                                 coreset_top_p=coreset_top_p, controls=controls, ids=ids,
-                                prompt_thinking=prompt_thinking, max_new_tokens=max_new_tokens, model=s.model,
-                                pending=s.pending, counts=s.counts, lengths=s.lengths, active=active)
-        offsets = jnp.arange(size + 1)
-        written = offsets[None, :] < out.emitted[:, None]                                 # [b, B+1]
-        columns = jnp.where(written, s.lengths[:, None] + offsets, limit)                 # past the end: dropped
-        tokens = s.tokens.at[jnp.arange(batch)[:, None], columns].set(out.choices, mode="drop")
-        distinct = s.distinct_experts.at[:, s.round].set(jnp.where(active, out.distinct_experts, 0.0))
-        rounds = s.rounds
-        if spec.trajectory:
-            at = jnp.where(active, s.round, limit)  # finished sequences: dropped
-            put = lambda buffer, value: buffer.at[jnp.arange(batch), at].set(value, mode="drop")
-            rounds = Rounds(put(rounds.drafts, out.drafts), put(rounds.accepted, out.accepted),
-                            put(rounds.emitted, out.emitted), rounds.num_rounds + active)
-        return SpeculativeState(model=out.model, pending=out.pending, tokens=tokens, counts=out.counts,
-                                finished=s.finished | out.finished, lengths=out.lengths, nfe=s.nfe + 2 * active,
-                                distinct_experts=distinct, rounds=rounds, round=s.round + 1)
+                                prompt_thinking=prompts.prompt_thinking, max_new_tokens=prompts.max_new_tokens,
+                                model=s.model, pending=s.pending, counts=s.counts, lengths=s.lengths, active=active)
+        return _record_round(spec, s, out, active)
 
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.round < limit), one_round, initial)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.finished) & (s.round < spec.max_new_tokens), one_round,
+                               _initial(passes, params, spec, prompts))
+    return results_of(final)
+
+
+def results_of(final: SpeculativeState) -> SpeculativeResults:
     return SpeculativeResults(final.tokens, final.lengths, final.nfe, final.distinct_experts, final.rounds)
+
+
+# ---------------------------------------------------------------------- rounds under a grammar
+@persistent_jit(static_argnames=("passes", "spec"))
+def start_speculative(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded) -> SpeculativeState:
+    """The prefill (host-driven rounds: the host's grammar cuts each round's drafts and masks its choices)."""
+    return _initial(passes, params, spec, prompts)
+
+
+@persistent_jit(static_argnames=("passes", "spec"))
+def draft_step(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded,
+               coreset_top_p: jax.Array, controls: Controls, ids: TokenIds, state: SpeculativeState) -> Drafted:
+    """Step 1 of every sequence's round."""
+    return draft_round(passes, params, spec.block_size, spec.coreset, coreset_top_p, controls, ids,
+                       prompts.prompt_thinking, model=state.model, pending=state.pending, counts=state.counts,
+                       lengths=state.lengths, distinct_experts=True)
+
+
+@persistent_jit(static_argnames=("passes", "spec"), donate_argnames=("state",))
+def verify_step(passes: ModelPasses, params: Any, spec: SpeculativeSpec, prompts: LeftPadded,
+                controls: Controls, ids: TokenIds, state: SpeculativeState, *, drafted: Drafted,
+                allowed: jax.Array, draft_limit: jax.Array) -> SpeculativeState:
+    """Steps 2-4 of every sequence's round under the host's grammar (`verify_round`'s allowed and draft_limit)."""
+    active = ~state.finished
+    out = verify_round(passes, params, spec.block_size, controls, ids, prompts.prompt_thinking, drafted=drafted,
+                       model=state.model, counts=state.counts, lengths=state.lengths,
+                       max_new_tokens=prompts.max_new_tokens, active=active, allowed=allowed,
+                       draft_limit=draft_limit)
+    return _record_round(spec, state, out, active)

@@ -152,6 +152,8 @@ class PersistentJit:
         self.fn = fn
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
         self.parameters = tuple(inspect.signature(fn).parameters)
+        self.keyword_only = frozenset(name for name, parameter in inspect.signature(fn).parameters.items()
+                                      if parameter.kind is inspect.Parameter.KEYWORD_ONLY)
         self.static = frozenset(static_argnames)
         # Programs in use, most recent last. Bounded: every live XLA:CPU executable holds memory
         # mappings, and a process has a limited number of them (vm.max_map_count).
@@ -167,7 +169,7 @@ class PersistentJit:
         if directory is None:
             return self.jitted(*args, **kwargs)
         named = dict(zip(self.parameters, args, strict=False), **kwargs)
-        dynamic = tuple(named[name] for name in self.parameters if name not in self.static and name in named)
+        dynamic, dynamic_keywords = self._split(named, lambda name: name not in self.static)
         try:
             key = tuple(self._signature(named[name], name in self.static) for name in self.parameters
                         if name in named)
@@ -183,7 +185,13 @@ class PersistentJit:
             self.loaded.move_to_end(key)
         if compiled is False:  # JAX cannot serialize this program
             return self.jitted(*args, **kwargs)
-        return compiled(*dynamic)
+        return compiled(*dynamic, **dynamic_keywords)
+
+    def _split(self, named: dict, keep: Callable[[str], bool]) -> tuple[tuple, dict]:
+        """The given arguments `keep` selects, as (positional ones, keyword-only ones by name)."""
+        given = [name for name in self.parameters if name in named and keep(name)]
+        return (tuple(named[name] for name in given if name not in self.keyword_only),
+                {name: named[name] for name in given if name in self.keyword_only})
 
     def _signature(self, value: Any, static: bool) -> str:
         """describe(value) for a static argument, else its tree structure, shapes, dtypes and shardings;
@@ -217,7 +225,8 @@ class PersistentJit:
             except Exception as error:  # a damaged or foreign file: compile again and replace it
                 logger.warning("compiled program %s did not load (%s); compiling it again", path, error)
         with _without_jax_cache():
-            compiled = self.jitted.lower(*(named[name] for name in self.parameters if name in named)).compile()
+            positional, keywords = self._split(named, lambda name: True)
+            compiled = self.jitted.lower(*positional, **keywords).compile()
         try:
             serialized = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError) as error:

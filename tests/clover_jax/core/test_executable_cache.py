@@ -40,3 +40,24 @@ def test_a_program_stored_over_a_warm_jax_cache_loads_in_the_next_process(tmp_pa
     assert outputs[0] == outputs[1] == outputs[2], outputs
     assert float(outputs[0]) > 0
     assert len(os.listdir(tmp_path / "cache" / "executables")) == 2
+
+
+def test_keyword_only_arguments_reach_the_stored_program(tmp_path, monkeypatch):
+    # the grammar's step programs take their masks keyword-only; the stored program must get them by name
+    import jax.numpy as jnp
+
+    from clover_jax.core import compilation_cache, executable_cache
+
+    monkeypatch.setattr(compilation_cache, "executable_directory", lambda: str(tmp_path))
+
+    def masked_sum(x, scale, *, mask, twice: bool):
+        return jnp.sum(jnp.where(mask, x, 0.0)) * scale * (2 if twice else 1)
+
+    program = executable_cache.PersistentJit(masked_sum, ("twice",))
+    x, mask = jnp.arange(4.0), jnp.array([True, False, True, True])
+    for _ in range(2):  # compiled and stored, then taken from memory
+        assert float(program(x, 3.0, mask=mask, twice=True)) == float(masked_sum(x, 3.0, mask=mask, twice=True))
+    assert len(os.listdir(tmp_path)) == 1
+    fresh = executable_cache.PersistentJit(masked_sum, ("twice",))  # loaded from the file
+    assert float(fresh(x, 3.0, mask=~mask, twice=True)) == float(masked_sum(x, 3.0, mask=~mask, twice=True))
+    assert fresh.hits == 1
