@@ -5,8 +5,10 @@ LowConfidence and under fixed_k with 2, 3 and 4 tokens per step, each decoded th
 constraint, under the answer line as a regular expression of digits (which the model's own answers
 satisfy) with the "witness" gap rule (commits past an undecided position when this step's
 candidates fill the gap validly), and with the "frontier" rule (one contiguous run from the
-leftmost undecided position). Per cell: accuracy, response tokens per forward, the host's grammar
-time per step and the share of steps each option of the commit rule decided. Check: under the
+leftmost undecided position); and, under LowConfidence, an answer grammar the model was never
+trained to write (letters), where the rule's fallbacks decide. Per cell: accuracy, response tokens
+per forward, the host's grammar time per step and the share of steps each option of the commit rule
+decided. Check: under the
 witness rule, tokens per forward >= 0.8x the unconstrained decode's for every schedule. Prints one
 JSON object.
 
@@ -30,6 +32,8 @@ DIGITS = 8
 ANSWER = r"<think>\n[0-9]+ digits\n</think>\n\n[0-9]( [0-9])*"
 SCHEDULES = [("low_confidence", {}), ("fixed_k", {"tokens_per_step": 2}), ("fixed_k", {"tokens_per_step": 3}),
              ("fixed_k", {"tokens_per_step": 4})]
+# an answer the model was never trained to write: the grammar vetoes, and the rule's fallbacks decide
+FOREIGN = r"<think>\n[0-9]+ digits\n</think>\n\n(a|bb)( (a|bb))*"
 TARGET = 0.8
 
 
@@ -39,7 +43,7 @@ def run_cell(model, task, schedule: str, params: dict, constraint, gap_rule: str
     config = GenerationConfig.from_pretrained(model.path, block_size=BLOCK_SIZE, schedule=schedule,
                                               max_new_tokens=task.max_new_tokens, constraint=constraint,
                                               constraint_gap_rule=gap_rule, **params)
-    generate(model, task.prompts[:4], config)  # compiled outside the timing
+    generate(model, task.prompts, config)  # compiled outside the timing
     started = time.perf_counter()
     out = generate(model, task.prompts, config)
     seconds = time.perf_counter() - started
@@ -83,6 +87,10 @@ def main(argv=None) -> None:
         checks.append(check(f"constrained diffusion ({label}): witness-rule tokens per forward / unconstrained",
                             witness["tokens_per_forward"] / free["tokens_per_forward"], TARGET, at_least=True,
                             note=f"frontier rule: {frontier['tokens_per_forward'] / free['tokens_per_forward']:.3f}"))
+    foreign = Constraint.regex(FOREIGN)
+    for gap_rule in ("witness", "frontier"):
+        cell = run_cell(model, task, "low_confidence", {}, foreign, gap_rule)
+        cells.append(dict(cell, constraint=f"{gap_rule}, foreign answer"))
     emit({"benchmark": "constrained_decoding", "block_size": BLOCK_SIZE, "digits": DIGITS, "prompts": prompts,
           "constraint": ANSWER, "cells": cells, "seconds": round(time.perf_counter() - started, 1),
           "checks": checks, "machine": machine()})

@@ -10,7 +10,8 @@ running requests), serving_http.py (the server in a subprocess under 16 `openai`
 prefix_cache.py (an agent's growing transcript with and without the engine's prefix cache), soak.py
 (one server under a thousand mixed requests: memory, leftovers, errors), training.py, lora.py (LoRA
 and QLoRA against full fine-tuning), editing_schedules.py (joint_threshold against LowConfidence on the
-token-editing variant of the bundled model)
+token-editing variant of the bundled model), constrained_decoding.py (block diffusion's parallelism under a
+grammar: the witness and frontier commit rules against no constraint)
 (the train step's objectives side by side),
 forward_cost.py, expert_scaling.py, context_scaling.py, compile.py, moe_scaling.py, load.py,
 load_orbax.py (the last two with their own defaults), roofline.py
@@ -50,7 +51,7 @@ from benchmarks.sections import RENDER, TITLES, bound_text, f, table  # noqa: E4
 setup_environment()
 
 SCRIPTS = ["decoding", "serving", "serving_burst", "chunked_prefill", "serving_http", "prefix_cache", "soak",
-           "training", "lora", "editing_schedules", "forward_cost", "expert_scaling",
+           "training", "lora", "editing_schedules", "constrained_decoding", "forward_cost", "expert_scaling",
            "context_scaling", "compile", "moe_scaling", "load",
            "load_orbax", "roofline", "compile_targets", "train_compile", "serve_compile"]
 QUICK_ARGS = {"serving_burst": ["--models", "bundled", "--later", "1", "--new", "16"],

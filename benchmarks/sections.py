@@ -172,6 +172,23 @@ def render_editing_schedules(j: dict):
                     f(best / editing["low_confidence"])]]
 
 
+def render_constrained_decoding(j: dict):
+    rows = []
+    for cell in j["cells"]:
+        setting = cell["schedule"] + (f" k={cell['tokens_per_step']}" if "tokens_per_step" in cell else "")
+        options = cell.get("options") or {}
+        rows.append([setting, cell["constraint"] or "none", f(100 * cell["accuracy"]), f(cell["tokens_per_forward"]),
+                     f(cell["grammar_ms_per_step"]) if "grammar_ms_per_step" in cell else "",
+                     " ".join(f"{k} {f(100 * v)}%" for k, v in options.items())])
+    lines = table(["schedule", "constraint (gap rule)", "accuracy %", "tokens / forward", "grammar ms / step",
+                   "commit rule's options"], rows)
+    lines += [f"{j['prompts']} held-out lists of {j['digits']} digits, block {j['block_size']}; the constraint is the "
+              "answer line as a regular expression of digits (\"foreign answer\": letters, which the model never "
+              "writes). The grammar's host time is per step of the whole batch.", ""]
+    return lines, [["constrained_decoding", check["name"].split(": ")[0].replace("constrained diffusion ", "")
+                     + ": witness tokens/forward vs none", f(check["value"])] for check in j["checks"]]
+
+
 def render_serve_compile(j: dict):
     rows = [[r["set"], r["target"], r["quantize"] or "bfloat16", "/".join(map(str, r["block_sizes"])),
              r["max_running"], r["max_context"], r["programs"], r["with_a_forward"],
@@ -492,6 +509,7 @@ def render_lora(j: dict):
 RENDER = {"decoding": render_decoding, "serving": render_serving, "serving_burst": render_serving_burst,
           "chunked_prefill": render_chunked_prefill, "serve_compile": render_serve_compile,
           "editing_schedules": render_editing_schedules,
+          "constrained_decoding": render_constrained_decoding,
           "serving_http": render_serving_http,
           "prefix_cache": render_prefix_cache,
           "training": render_training,
@@ -510,6 +528,8 @@ TITLES = {"decoding": "Decoding: diffusion vs self-speculative vs autoregressive
           "chunked_prefill": "Chunked prefill beside running requests (`benchmarks/chunked_prefill.py`)",
           "editing_schedules": "Token editing: LowConfidence against joint_threshold on the shipped, editing and "
                                "control models (`benchmarks/editing_schedules.py`)",
+          "constrained_decoding": "Block diffusion under a grammar: the commit rules' parallelism "
+                                  "(`benchmarks/constrained_decoding.py`)",
           "serve_compile": "Clover-35B's served set compiled for its accelerators (`benchmarks/serve_compile.py`)",
           "serving_http": "Serving through HTTP: the server under 16 `openai` clients vs `generate` one at a time "
                           "(`benchmarks/serving_http.py`)",

@@ -142,6 +142,15 @@ def small_clover_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen_vocab_checkpoint(tmp_path_factory) -> str:
+    """A two-layer random Clover with Qwen3.5/3.6's real vocabulary and a chat template with tools
+    (scripts/make_qwen_vocab_model.py): a model that can write JSON."""
+    from scripts.make_qwen_vocab_model import write
+
+    return write(str(tmp_path_factory.mktemp("qwen_vocab")))
+
+
+@pytest.fixture(scope="session")
 def clover(clover_checkpoint):
     from clover_jax import CloverModel
 

@@ -59,27 +59,56 @@ class GrammarMatcher:
 
     def accepts(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, the grammar would take from here (nothing is consumed);
-        all of them once the answer ends among them."""
+        all of them once the answer ends among them (an end-of-sequence id where it is complete)."""
         tokens = [int(t) for t in tokens]
         if self.ended:
             return len(tokens)
-        taken = self._matcher.validate_tokens(tokens)
-        return len(tokens) if any(t in self.eos for t in tokens[:taken]) else taken
+        end = next((i for i, t in enumerate(tokens) if t in self.eos), len(tokens))
+        taken = self._matcher.validate_tokens(tokens[:end]) if end else 0
+        if taken == end < len(tokens) and self._accepting_after(tokens[:end]):
+            return len(tokens)
+        return taken
 
+    def _accepting_after(self, tokens: list[int]) -> bool:
+        """The answer would be complete after `tokens` (consumed, then rolled back)."""
+        if not tokens:
+            return self._matcher.is_accepting()
+        if not self._matcher.consume_tokens(tokens):
+            raise RuntimeError(f"llguidance refused tokens it validated: {self._matcher.get_error()}")
+        accepting = self._matcher.is_accepting()
+        self._matcher.rollback(len(tokens))
+        return accepting
+
+    # The end-of-sequence id is never handed to llguidance: once its grammar has stopped (nothing
+    # but the end could follow), llguidance 1.9 takes the id without counting it, and a later
+    # rollback of one token then removes the token before it.
     def consume(self, tokens: Sequence[int]) -> None:
         """Commit `tokens` (which `accepts` has taken); those after the answer's end are not the answer's."""
         for token in tokens:
+            token = int(token)
             if self.ended:
                 return
-            if not self._matcher.consume_token(int(token)):
-                raise RuntimeError(f"the grammar refused committed token {int(token)}: {self._matcher.get_error()}")
-            self._held.append(int(token))
+            if token in self.eos:
+                if not self._matcher.is_accepting():
+                    raise RuntimeError(f"the answer is not complete: end-of-sequence id {token} refused")
+            elif not self._matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused committed token {token}: {self._matcher.get_error()}")
+            self._held.append(token)
 
     def rollback(self, count: int) -> None:
-        if count:
-            if count > len(self._held) or not self._matcher.rollback(count):
-                raise RuntimeError(f"cannot roll the grammar back {count} tokens ({len(self._held)} consumed)")
-            del self._held[-count:]
+        if not count:
+            return
+        if count > len(self._held):
+            raise RuntimeError(f"cannot roll the grammar back {count} tokens ({len(self._held)} consumed)")
+        engine = count - int(self.ended)  # the end-of-sequence id is ours alone
+        if engine and not self._matcher.rollback(engine):
+            raise RuntimeError(f"llguidance could not roll back {engine} tokens")
+        del self._held[-count:]
+
+
+# JSON is written as `json.dumps` writes it: ", " between items, ": " after keys, no other whitespace
+# (llguidance's flexible whitespace lets a weak model pad forever); a schema's "x-guidance" field overrides it
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -87,9 +116,9 @@ def grammar_text(constraint: Constraint) -> str:
     import llguidance
 
     if constraint.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(constraint.source)
+        return llguidance.LLMatcher.grammar_from_json_schema(constraint.source, defaults=JSON_LAYOUT)
     if constraint.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.source)
     return llguidance.LLMatcher.grammar_from_lark(constraint.source)

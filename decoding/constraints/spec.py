@@ -32,7 +32,7 @@ MAX_SOURCE_CHARS = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Constraint:
-    """kind: one of `CONSTRAINT_KINDS`; source: the schema's JSON text (keys sorted), the regular
+    """kind: one of `CONSTRAINT_KINDS`; source: the schema's JSON text, the regular
     expression or the Lark grammar ("" for json_object); field: the argument that gave it, named
     in errors (the server passes "response_format.json_schema.schema", "tools[0].function.parameters")."""
 
@@ -63,7 +63,7 @@ class Constraint:
         if not isinstance(schema, Mapping):
             raise FieldError(field, f"a JSON schema must be an object, got {type(schema).__name__}",
                              code=INVALID_TYPE)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), field)
+        return cls("json_schema", json.dumps(schema), field)  # key order kept: properties are written in it
 
     @classmethod
     def json_object(cls, *, field: str = "constraint") -> "Constraint":

@@ -40,7 +40,7 @@ def text_of(tokens) -> str:
 # ---------------------------------------------------------------------- the constraint and its matcher
 def test_constraints_are_checked_and_named():
     assert Constraint.of({"regex": "[0-9]+"}) == Constraint("regex", "[0-9]+")
-    assert Constraint.of({"json_schema": {"type": "object", "a": 1}}).source == '{"a": 1, "type": "object"}'
+    assert Constraint.of({"json_schema": {"type": "object", "a": 1}}).source == '{"type": "object", "a": 1}'
     assert Constraint.of({"json_object": True}).kind == "json_object"
     for bad, message in (({"regex": "a", "lark": "b"}, "exactly one"), ({"grammar": "x"}, "exactly one"),
                          ("[0-9]", "a Constraint or a dict"), ({"regex": ""}, "empty"),
@@ -177,3 +177,17 @@ def test_the_commit_rule_keeps_a_witness_and_commits_every_step(data, gap_rule, 
         if not grammar.matcher.ended:
             assert (fresh.allowed() == grammar.allowed()).all()
     assert decided.all()
+
+
+def test_the_end_of_sequence_id_counts_where_the_grammar_has_stopped():
+    # llguidance's validate_tokens counts no end-of-sequence id once nothing else could follow
+    # ("abd" is the whole language); it is allowed there, and the answer ends with it
+    grammar = matcher(Constraint.regex("abd"))
+    run = [ID["a"], ID["b"], ID["d"]]
+    assert grammar.accepts(run + [IM_END, ID["x"]]) == 5
+    grammar.consume(run)
+    assert grammar.allowed()[IM_END] and grammar.accepts([IM_END]) == 1 and grammar.accepts([ID["a"]]) == 0
+    grammar.consume([IM_END])
+    assert grammar.ended and grammar.accepts([ID["a"]]) == 1
+    grammar.rollback(1)
+    assert not grammar.ended and grammar.accepts([ENDOFTEXT]) == 1

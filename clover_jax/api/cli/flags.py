@@ -44,6 +44,10 @@ GENERATION_HELP = {
     "entropy_bound": "entropy_bounded schedule: nats filled per step",
     "coreset": "block expert selection while denoising (default: the model config's)",
     "coreset_top_p": "coreset: fraction of the aggregated routing mass kept (default: the model config's)",
+    "constraint": "the grammar the answer keeps to, as JSON: '{\"regex\": \"[0-9]+\"}', '{\"json_schema\": {...}}', "
+                  "'{\"json_object\": true}' or '{\"lark\": \"start: ...\"}' (docs/structured_outputs.md)",
+    "constraint_gap_rule": "diffusion under a constraint: commit past an undecided position when this step's "
+                           "candidates fill the gap validly (witness), or never (frontier)",
 }
 
 
@@ -88,6 +92,7 @@ def _json_object(text: str) -> dict:
 
 def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `GenerationConfig` field, its kind read from the field's annotation."""
+    from decoding.constraints.spec import GAP_RULES
     from decoding.schedules import BY_NAME as SCHEDULES
 
     group = parser.add_argument_group("decoding controls (GenerationConfig fields; default: the checkpoint's "
@@ -105,8 +110,10 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
             options.update(type=int_arg, nargs="+", metavar="ID")
         elif field.name == "schedule":
             options.update(choices=sorted(SCHEDULES))
-        elif field.name == "schedule_params":
+        elif field.name in ("schedule_params", "constraint"):
             options.update(type=_json_object, metavar="JSON")
+        elif field.name == "constraint_gap_rule":
+            options.update(choices=GAP_RULES)
         elif kind.startswith("int"):
             options.update(type=int_arg, metavar="N")
         elif kind.startswith("float"):
