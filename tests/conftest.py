@@ -69,7 +69,7 @@ LONGEST_FIRST_SECONDS = {
     "tests/decoding/test_schedules.py": 205,
     "tests/decoding/test_generate.py": 201,
     "tests/clover_jax/api/serving/test_server.py": 182,
-    "tests/test_notebooks.py": 140,
+    "tests/test_notebooks.py": 162,
     "tests/clover_jax/parallel/test_served_set_compile.py": 130,
     "tests/training/test_finetune.py": 162,
     "tests/decoding/test_engine.py": 134,
@@ -83,7 +83,9 @@ LONGEST_FIRST_SECONDS = {
     "tests/decoding/test_engine_mesh.py": 106,
     "tests/clover_jax/api/serving/test_openai_conformance.py": 105,
     "tests/decoding/test_speculative.py": 100,
-    "tests/clover_jax/api/test_cli.py": 91,
+    "tests/clover_jax/api/test_cli.py": 98,
+    "tests/decoding/test_constraints_generate.py": 70,
+    "tests/decoding/test_constraints_json.py": 68,
 }
 LONGEST_FIRST = tuple(sorted(LONGEST_FIRST_SECONDS, key=LONGEST_FIRST_SECONDS.get, reverse=True))
 

@@ -108,6 +108,10 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
     if not isinstance(config.schedule, str):
         raise FieldError("schedule", f"the serving engine runs the named schedules ({sorted(BY_NAME)}), not "
                                      "schedule functions", code=UNSUPPORTED)
+    if config.constraint is not None:
+        raise FieldError("constraint", "the serving engine does not decode under a constraint yet; "
+                                       "generate(..., constraint=...) does (docs/structured_outputs.md)",
+                         code=UNSUPPORTED)
     if config.block_alignment != "absolute":
         raise FieldError("block_alignment", "the serving engine aligns blocks to absolute positions "
                                             "(block_alignment='absolute')", code=UNSUPPORTED)

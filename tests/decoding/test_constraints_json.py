@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from decoding import generate
 from decoding.constraints import Constraint, compile_constraint
 
-RUNS = [("diffusion", False), ("diffusion", True), ("autoregressive", False), ("autoregressive", True),
-        ("self_speculative", False)]
+# Sampled diffusion is left to the bundled model's tests (test_constraints_generate.py): sampling sorts the
+# vocabulary twice per position (decoding.controls.sampling_logits), 248,320 ids here, ~2.4 s a step on CPU.
+RUNS = [("diffusion", False), ("autoregressive", False), ("autoregressive", True), ("self_speculative", False)]
 NEW_TOKENS = 160  # room for the largest drawn schema's output
 
 

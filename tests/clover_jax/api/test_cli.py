@@ -351,3 +351,20 @@ def test_ctrl_c_from_outside_while_compiling_exits_at_once(checkpoint):
     assert time.perf_counter() - sent < 10  # not once the compilation is over
     assert process.returncode == 130, (lines, stderr)
     assert stderr.decode().splitlines() == ["clover-jax: interrupted"] and stdout == b""
+
+
+def test_generate_keeps_to_a_constraint_and_names_the_flag_of_a_bad_one():
+    import re
+
+    import clover_jax
+
+    answer = r"\n\n(a|bb)( (a|bb))*"
+    regex = r"<think>\n[0-9]+ digits\n</think>" + answer
+    result = run_cli("generate", "--model", str(clover_jax.bundled_model_path()), "--json", "--constraint",
+                     json.dumps({"regex": regex}), "sort 3 1 2")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["generation_config"]["constraint"]["kind"] == "regex"
+    assert re.fullmatch(answer, record["response"].split("</think>")[-1]), record["response"]
+    bad = run_cli("generate", "--model", str(clover_jax.bundled_model_path()), "--constraint", '{"regex": "("}', "x")
+    assert bad.returncode == 1 and "--constraint: the regex cannot be compiled" in bad.stderr, bad.stderr
