@@ -43,7 +43,7 @@ class Proposal(NamedTuple):
 
 class Verdict(NamedTuple):
     """What the step does: `after` decided, each position's token (`tokens`), and which decided
-    positions are edited; `option`: which of the rule's options (a-d, or "free") it is."""
+    positions are edited; `option`: which of the rule's options (a-d) it is."""
 
     after: np.ndarray
     tokens: np.ndarray
