@@ -20,7 +20,7 @@ from decoding.constraints import Constraint, compile_constraint
 # Sampled diffusion is left to the bundled model's tests (test_constraints_generate.py): sampling sorts the
 # vocabulary twice per position (decoding.controls.sampling_logits), 248,320 ids here, ~2.4 s a step on CPU.
 RUNS = [("diffusion", False), ("autoregressive", False), ("autoregressive", True), ("self_speculative", False)]
-NEW_TOKENS = 160  # room for the largest drawn schema's output
+NEW_TOKENS = 160  # at least the characters of the longest output of any schema drawn (one token each, at worst)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,25 @@ def object_schemas(depth: int = 0):
                         "additionalProperties": False}))
 
 
+def longest_text(schema: dict) -> int:
+    """The most characters an output of `schema` can hold, as JSON is laid out here (", " and ": ")."""
+    if "enum" in schema:
+        return max(len(json.dumps(value)) for value in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return schema["maxLength"] * 6 + 2  # a character may be written as a \uXXXX escape
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "boolean":
+        return 5
+    if kind == "array":
+        return 2 + schema["maxItems"] * (longest_text(schema["items"]) + 2)
+    return 2 + sum(len(key) + 6 + longest_text(value) for key, value in schema["properties"].items())
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(schema=object_schemas())
+@given(schema=object_schemas().filter(lambda schema: longest_text(schema) <= NEW_TOKENS))
 def test_outputs_validate_against_drawn_schemas_in_every_mode(qwen_vocab, schema):
     model, tokenizer, prompts = qwen_vocab
     constraint = Constraint.json_schema(schema)
@@ -79,7 +95,9 @@ def test_outputs_validate_against_drawn_schemas_in_every_mode(qwen_vocab, schema
                 matcher = compile_constraint(constraint, tokenizer_path=os.path.join(model.path, "tokenizer.json"),
                                              vocab_size=model.config.vocab_size, eos_token_ids=tuple(eos))
                 assert matcher.accepts(tokens) == len(tokens), (mode, schema, tokenizer.decode(tokens))
-    assert ended >= 0.9 * outputs, (schema, ended, outputs)  # every drawn schema is bounded
+    # every drawn schema is bounded and its longest output fits max_new_tokens: past its last character
+    # the grammar allows only the end, so every output ends (the issue asks for 90%)
+    assert ended >= 0.9 * outputs, (schema, ended, outputs)
 
 
 def test_json_object_and_a_schema_engine_refusal(qwen_vocab):
