@@ -112,6 +112,10 @@ def generate(model: DecodingModel, prompts: Sequence[Sequence[int]], generation_
     compiled call per step. return_history: `out.history`, every step recorded inside the loop.
     Without any of them the whole decode is one compiled program. Every check runs before
     anything is compiled; an exception raised by a listener reaches the caller as it is.
+
+    constraint (a GenerationConfig field, so also an override): a grammar the answer keeps to, in
+    every mode (docs/structured_outputs.md); the decode is then one compiled call per step, the
+    grammar on the host, and `out.constraint` reports its steps, host time and commit-rule options.
     """
     compilation_cache.enable()
     config = resolve_config(model, generation_config, overrides)
