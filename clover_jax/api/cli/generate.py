@@ -154,6 +154,14 @@ def resolve_generation_config(path: Path, config, overrides: dict[str, Any]):
                              f"[0, {config.vocab_size})") from None
         raise UsageError(f"{flag_name(error.field)}: {error.field} {value} is larger than the vocabulary "
                          f"({config.vocab_size}); 0 turns top-k off") from None
+    if generation.constraint is not None:  # compiled once against the tokenizer: a bad grammar before the weights
+        from decoding.constraints import compile_constraint
+
+        try:
+            compile_constraint(generation.constraint, tokenizer_path=path / "tokenizer.json",
+                               vocab_size=config.vocab_size, eos_token_ids=generation.eos_token_id)
+        except FieldError as error:
+            raise UsageError(explain(error)) from None
     return generation
 
 

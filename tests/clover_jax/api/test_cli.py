@@ -367,4 +367,5 @@ def test_generate_keeps_to_a_constraint_and_names_the_flag_of_a_bad_one():
     assert record["generation_config"]["constraint"]["kind"] == "regex"
     assert re.fullmatch(answer, record["response"].split("</think>")[-1]), record["response"]
     bad = run_cli("generate", "--model", str(clover_jax.bundled_model_path()), "--constraint", '{"regex": "("}', "x")
-    assert bad.returncode == 1 and "--constraint: the regex cannot be compiled" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--constraint: the regex cannot be compiled" in bad.stderr, bad.stderr
+    assert "loading" not in bad.stderr  # refused before the weights load
