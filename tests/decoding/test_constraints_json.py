@@ -18,7 +18,7 @@ from decoding import generate
 from decoding.constraints import Constraint, compile_constraint
 
 # Sampled diffusion is left to the bundled model's tests (test_constraints_generate.py): sampling sorts the
-# vocabulary twice per position (decoding.controls.sampling_logits), 248,320 ids here, ~2.4 s a step on CPU.
+# vocabulary per position (decoding.controls.sampling_logits), 248,320 ids here: seconds per step on CPU.
 RUNS = [("diffusion", False), ("autoregressive", False), ("autoregressive", True), ("self_speculative", False)]
 NEW_TOKENS = 160  # at least the characters of the longest output of any schema drawn (one token each, at worst)
 
