@@ -189,11 +189,17 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
     choose the candidates, let the schedule decide, apply the decision (docs/design.md §4, §7).
     Shared by `generate`'s loops and the serving engine, which batches sequences at different
     blocks and steps."""
+    _, keys, choice, decision = _propose(progress, facts, logits, rules)
+    return _apply(progress, facts, choice, decision, _response_index(progress, facts), rules)
+
+
+def _propose(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, rules: StepRules):
+    """(processed logits [b, B, V], the step's keys [b], each position's `Choice`, the schedule's
+    `Decision`): a denoising step before its decision is applied."""
     response_index = _response_index(progress, facts)
     processed, keys = _process(progress, facts, logits, response_index, rules)
     choice = rules.choose(processed, keys)
-    decision = _decide(progress, facts, choice, keys, response_index, rules)
-    return _apply(progress, facts, choice, decision, response_index, rules)
+    return processed, keys, choice, _decide(progress, facts, choice, keys, response_index, rules)
 
 
 def _response_index(progress: BlockProgress, facts: SequenceFacts) -> jax.Array:
@@ -466,7 +472,6 @@ def next_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request
     return _commit_step(d, state) if commit else _denoise_step(d, state)
 
 
-
 # ---------------------------------------------------------------------- steps under a grammar
 class Proposed(NamedTuple):
     """A denoising step before its decision is applied, for the host's grammar to vet
@@ -497,10 +502,7 @@ def propose_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Requ
     d = Decoder(passes, params, spec, request, controls, ids)
     state, logits, distinct = _commit_logits(d, state) if commit else (state, *_denoise_logits(d, state))
     progress, facts, rules = _step_inputs(d, state, fill_at_cap=False)
-    response_index = _response_index(progress, facts)
-    processed, keys = _process(progress, facts, logits, response_index, rules)
-    choice = rules.choose(processed, keys)
-    decision = _decide(progress, facts, choice, keys, response_index, rules)
+    processed, keys, choice, decision = _propose(progress, facts, logits, rules)
     rows = jnp.arange(processed.shape[0])
     front = jnp.clip(frontier, 0, processed.shape[1] - 1)
     masked = jnp.where(allowed, processed[rows, front], -jnp.inf)[:, None]
