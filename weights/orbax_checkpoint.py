@@ -165,14 +165,21 @@ def convert_to_orbax(
     return manifest
 
 
-def _remove_tree(path: str, attempts: int = 5) -> None:
-    """Remove `path` whole, retrying: a write that failed part-way (a full disk) can leave TensorStore
-    writes landing for a moment after the error, and `rmtree` then finds a directory not yet empty."""
-    for attempt in range(attempts):
+def _remove_tree(path: str, seconds: float = 30.0) -> None:
+    """Remove `path` whole, retrying until it has stayed gone for a moment: a write that failed
+    part-way (a full disk) can leave TensorStore writes landing, and directories being created, for a
+    while after the error on a loaded machine, so `rmtree` may find a directory not yet empty, or the
+    directory may come back just after it went."""
+    deadline = time.monotonic() + seconds
+    while True:
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
-            return
-        time.sleep(0.1 * (attempt + 1))
+            time.sleep(0.2)
+            if not os.path.lexists(path):
+                return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     logger.warning("could not remove %s after a failed conversion; remove it by hand", path)
 
 
