@@ -189,13 +189,13 @@ def denoising_step(progress: BlockProgress, facts: SequenceFacts, logits: jax.Ar
     choose the candidates, let the schedule decide, apply the decision (docs/design.md §4, §7).
     Shared by `generate`'s loops and the serving engine, which batches sequences at different
     blocks and steps."""
-    _, keys, choice, decision = _propose(progress, facts, logits, rules)
-    return _apply(progress, facts, choice, decision, _response_index(progress, facts), rules)
+    _, keys, choice, decision = propose(progress, facts, logits, rules)
+    return apply_step(progress, facts, choice, decision, rules)
 
 
-def _propose(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, rules: StepRules):
+def propose(progress: BlockProgress, facts: SequenceFacts, logits: jax.Array, rules: StepRules):
     """(processed logits [b, B, V], the step's keys [b], each position's `Choice`, the schedule's
-    `Decision`): a denoising step before its decision is applied."""
+    `Decision`): a denoising step before its decision is applied (`apply_step`)."""
     response_index = _response_index(progress, facts)
     processed, keys = _process(progress, facts, logits, response_index, rules)
     choice = rules.choose(processed, keys)
@@ -233,10 +233,11 @@ def _decide(progress: BlockProgress, facts: SequenceFacts, choice, keys: jax.Arr
     return as_decision(rules.schedule(view))
 
 
-def _apply(progress: BlockProgress, facts: SequenceFacts, choice, decision, response_index: jax.Array,
-           rules: StepRules) -> tuple[BlockProgress, StepDetails]:
+def apply_step(progress: BlockProgress, facts: SequenceFacts, choice, decision,
+               rules: StepRules) -> tuple[BlockProgress, StepDetails]:
     """The decision applied to the active sequences: the step cap, fills, edits and remasks, the
     counts, and whether the block closes and the sequence finishes."""
+    response_index = _response_index(progress, facts)
     ids = rules.ids
     batch, size = progress.block.shape
     steps_cap = _per_sequence(rules.steps_cap, batch)
@@ -473,6 +474,18 @@ def next_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Request
 
 
 # ---------------------------------------------------------------------- steps under a grammar
+def frontier_choice(processed: jax.Array, choice, keys: jax.Array, rules: StepRules, *, frontier: jax.Array,
+                    allowed: jax.Array) -> jax.Array:
+    """int32 [b]: at each sequence's `frontier` position, its candidate if `allowed` (bool [b, V])
+    holds it, else the choice among the allowed tokens (the same controls and key)."""
+    rows = jnp.arange(processed.shape[0])
+    front = jnp.clip(frontier, 0, processed.shape[1] - 1)
+    masked = jnp.where(allowed, processed[rows, front], -jnp.inf)[:, None]
+    masked_choice = rules.choose(masked, keys).token[:, 0]
+    candidate = choice.token[rows, front]
+    return jnp.where(allowed[rows, candidate], candidate, masked_choice)
+
+
 class Proposed(NamedTuple):
     """A denoising step before its decision is applied, for the host's grammar to vet
     (`decoding.constraints.drivers`). b = batch, B = block size."""
@@ -502,13 +515,8 @@ def propose_step(passes: ModelPasses, params: Any, spec: LoopSpec, request: Requ
     d = Decoder(passes, params, spec, request, controls, ids)
     state, logits, distinct = _commit_logits(d, state) if commit else (state, *_denoise_logits(d, state))
     progress, facts, rules = _step_inputs(d, state, fill_at_cap=False)
-    processed, keys, choice, decision = _propose(progress, facts, logits, rules)
-    rows = jnp.arange(processed.shape[0])
-    front = jnp.clip(frontier, 0, processed.shape[1] - 1)
-    masked = jnp.where(allowed, processed[rows, front], -jnp.inf)[:, None]
-    masked_choice = rules.choose(masked, keys).token[:, 0]
-    candidate = choice.token[rows, front]
-    frontier_token = jnp.where(allowed[rows, candidate], candidate, masked_choice)
+    processed, keys, choice, decision = propose(progress, facts, logits, rules)
+    frontier_token = frontier_choice(processed, choice, keys, rules, frontier=frontier, allowed=allowed)
     return state, Proposed(choice=choice, decision=decision, frontier_token=frontier_token, distinct=distinct)
 
 
@@ -519,6 +527,5 @@ def apply_proposal(passes: ModelPasses, params: Any, spec: LoopSpec, request: Re
     (`proposed.choice.token`) as vetted; no step fills every mask at the cap."""
     d = Decoder(passes, params, spec, request, controls, ids)
     progress, facts, rules = _step_inputs(d, state, fill_at_cap=False)
-    progress, details = _apply(progress, facts, proposed.choice, proposed.decision, _response_index(progress, facts),
-                               rules)
+    progress, details = apply_step(progress, facts, proposed.choice, proposed.decision, rules)
     return _record_step(spec, state, progress, details, proposed.distinct)

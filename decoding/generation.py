@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
@@ -20,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clover_jax.core import compilation_cache
-from clover_jax.core.errors import INVALID_TYPE, MISSING_FIELD, UNSUPPORTED, FieldError
+from clover_jax.core.errors import INVALID_TYPE, MISSING_FIELD, FieldError
 from clover_jax.core.passes import ModelPasses
 from decoding.block_loop import next_block, next_step, results, start_blocks, start_steps
 from decoding.controls import Controls, TokenIds
@@ -278,18 +277,9 @@ def _generate_constrained(mode: Mode, inputs: _Inputs, options: _Options) -> Gen
 
 def _matchers(model: DecodingModel, config: GenerationConfig, thinking: np.ndarray) -> list:
     """One grammar matcher per prompt, from the checkpoint's tokenizer.json."""
-    from decoding.constraints import compile_constraint
+    from decoding.constraints.matcher import matcher_for
 
-    constraint = config.constraint
-    directory = getattr(model, "path", None)
-    tokenizer_path = os.path.join(directory, "tokenizer.json") if directory else None
-    if tokenizer_path is None or not os.path.isfile(tokenizer_path):
-        raise FieldError(constraint.field, "a constraint is compiled against the model's tokenizer: the model "
-                                           f"needs a checkpoint directory with tokenizer.json (path: {directory!r})",
-                         code=UNSUPPORTED)
-    return [compile_constraint(constraint, tokenizer_path=tokenizer_path, vocab_size=model.config.vocab_size,
-                               eos_token_ids=config.eos_token_id, think_end_token_id=config.think_end_token_id,
-                               thinking=bool(thinking[i])) for i in range(len(thinking))]
+    return [matcher_for(model, config, bool(row)) for row in thinking]
 
 
 # The loop each mode runs.

@@ -7,7 +7,7 @@ tokens allowed next. `decoding.constraints.commit_rule` decides which of a denoi
 grammar lets stand; `decoding.constraints.drivers` runs `generate`'s three modes under it.
 """
 
-from decoding.constraints.matcher import GrammarMatcher, compile_constraint
+from decoding.constraints.matcher import GrammarMatcher, compile_constraint, matcher_for
 from decoding.constraints.spec import CONSTRAINT_KINDS, Constraint
 
-__all__ = ["CONSTRAINT_KINDS", "Constraint", "GrammarMatcher", "compile_constraint"]
+__all__ = ["CONSTRAINT_KINDS", "Constraint", "GrammarMatcher", "compile_constraint", "matcher_for"]

@@ -94,7 +94,7 @@ def self_speculative(call: LoopCall, matchers: Sequence[GrammarMatcher], trace: 
         with trace.grammar():
             for i, matcher in enumerate(matchers):
                 if not finished[i]:
-                    limit[i] = _draft_masks(matcher, drafts[i], allowed[i])
+                    limit[i] = draft_masks(matcher, drafts[i], allowed[i])
         state = verify_step(passes, params, spec, prompts, controls, ids, state, drafted=drafted, allowed=allowed,
                             draft_limit=limit)
         trace.steps += 1
@@ -108,7 +108,7 @@ def self_speculative(call: LoopCall, matchers: Sequence[GrammarMatcher], trace: 
             return jax.device_get(results_of(state))
 
 
-def _draft_masks(matcher: GrammarMatcher, drafts: np.ndarray, allowed: np.ndarray) -> int:
+def draft_masks(matcher: GrammarMatcher, drafts: np.ndarray, allowed: np.ndarray) -> int:
     """Fill allowed[j] (bool [B+1, V]) with the tokens the grammar takes after drafts[:j], for j up
     to the drafts it takes; returns how many it takes (the rows past them stay all ones)."""
     taken = matcher.accepts(drafts)

@@ -157,3 +157,18 @@ def compile_constraint(constraint: Constraint, *, tokenizer_path: str | os.PathL
     if matcher.is_error():
         raise FieldError(constraint.field, f"the {constraint.kind} cannot be compiled: {matcher.get_error()}")
     return GrammarMatcher(matcher, vocab_size, eos_token_ids)
+
+
+def matcher_for(model, config, thinking: bool) -> GrammarMatcher:
+    """A fresh matcher for one sequence of `model` (anything with `config.vocab_size` and the
+    checkpoint directory as `path`) under `config.constraint`, from the checkpoint's tokenizer.json."""
+    constraint = config.constraint
+    directory = getattr(model, "path", None)
+    tokenizer_path = os.path.join(directory, "tokenizer.json") if directory else None
+    if tokenizer_path is None or not os.path.isfile(tokenizer_path):
+        raise FieldError(constraint.field, "a constraint is compiled against the model's tokenizer: the model "
+                                           f"needs a checkpoint directory with tokenizer.json (path: {directory!r})",
+                         code=UNSUPPORTED)
+    return compile_constraint(constraint, tokenizer_path=tokenizer_path, vocab_size=model.config.vocab_size,
+                              eos_token_ids=config.eos_token_id, think_end_token_id=config.think_end_token_id,
+                              thinking=bool(thinking))

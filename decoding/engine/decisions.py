@@ -13,6 +13,8 @@ once and masked to the slots the decision is for:
 | `decide_autoregressive` | sample             | the next token (`decoding.autoregressive.next_tokens`)  |
 | `decide_drafts`         | B                  | a self-speculative round's drafts                       |
 | `decide_verified`       | B                  | the round's accepted run (`speculative.accept_drafts`)  |
+| `propose_diffusion`     | B, sample          | under a grammar: a denoising step's proposal            |
+| `apply_diffusion`       | B, sample, scores  | under a grammar: the proposal as the host vetted it     |
 
 None of them holds the backbone's forward pass, so the programs that do are one per padded token
 count, whatever the modes and block sizes served (docs/serving.md, "The engine's shapes"); and no
@@ -21,6 +23,11 @@ decision's shape depends on the pass's, so they are one per block size and varia
 The programs are plain `jax.jit` (JAX's persistent compilation cache keeps them across
 processes) rather than `clover_jax.core.executable_cache.persistent_jit`, whose per-call work
 (describing every argument's pytree) would be paid on every step.
+
+Under a constraint the grammars live on the host and their masks enter as data: an autoregressive
+or verification decision takes the allowed tokens per slot (no program per grammar; a decision
+with no constrained slot takes None, its own variant), and a diffusion step with a constrained slot
+is split in two around the host's commit rule (`decoding.constraints.commit_rule`).
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ import jax.numpy as jnp
 from clover_jax.core.passes import ModelPasses
 from clover_jax.core.ragged import PagedBatch, PagedState
 from decoding.autoregressive import next_tokens
-from decoding.block_loop import StepRules, denoising_step
-from decoding.controls import Controls, TokenIds, choose, per_sequence_axes, process_batch
+from decoding.block_loop import StepRules, apply_step, denoising_step, frontier_choice, propose
+from decoding.controls import Choice, Controls, TokenIds, choose, per_sequence_axes, process_batch
 from decoding.engine.slot_states import (
     MAX_TOP_LOGPROBS,
     SCHEDULES,
@@ -44,6 +51,7 @@ from decoding.engine.slot_states import (
     DiffusionSlots,
     SpeculativeSlots,
 )
+from decoding.schedules.view import Decision
 from decoding.speculative import accept_drafts, draft_tokens
 
 
@@ -88,6 +96,50 @@ class DiffusionReport(NamedTuple):
     top_values: jax.Array
 
 
+def _fresh_progress(slots: DiffusionSlots, active: jax.Array, committed: jax.Array, ids: TokenIds, size: int):
+    """The active slots' blocks narrowed to `size`, a committed slot's next block all masks."""
+    held = slots.progress
+    narrow = lambda array: array[:, :size]
+    progress = held._replace(block=narrow(held.block), decided=narrow(held.decided), fixed=narrow(held.fixed),
+                             finished=held.finished | ~active)
+    fresh = committed[:, None]
+    return progress._replace(
+        block=jnp.where(fresh, ids.mask, progress.block), decided=progress.decided & ~fresh,
+        fixed=progress.fixed & ~fresh, block_index=progress.block_index + committed,
+        step=jnp.where(committed, 0, progress.step), post_fill=jnp.where(committed, 0, progress.post_fill),
+        open=progress.open | committed)
+
+
+def _step_rules(slots: DiffusionSlots, ids: TokenIds, sample: bool, fill_at_cap: bool = True) -> StepRules:
+    controls = slots.controls
+    return StepRules(controls=controls, ids=ids, steps_cap=slots.steps_cap,
+                     choose=per_slot_choice(controls, slots.sample, sample),
+                     schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule), fill_at_cap=fill_at_cap)
+
+
+def _kept(passes: ModelPasses, params: Any, slots: DiffusionSlots, hidden: jax.Array, active: jax.Array, *,
+          before, progress, details, ids: TokenIds, size: int, scores: bool) -> tuple[DiffusionSlots, DiffusionReport]:
+    """The step's `progress` (narrowed) written back into the active slots, with the log-probabilities
+    of what it decided when asked (`scores`), and the host's report."""
+    held = slots.progress
+    narrow = lambda array: array[:, :size]
+    progress = progress._replace(finished=jnp.where(active, progress.finished, held.finished))
+    widen = lambda full, part: full.at[:, :size].set(part)
+    updated = progress._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
+                                fixed=widen(held.fixed, progress.fixed))
+    kept = slots.scores
+    if scores:
+        narrow_scores = BlockScores(*(narrow(leaf) for leaf in kept))
+        block_logits = passes.head_logits(params, hidden[:, :size])
+        recorded = _scored(before, slots.facts, block_logits, slots.controls, ids, details, narrow_scores)
+        kept = BlockScores(*(widen(full, part) for full, part in zip(kept, recorded, strict=True)))
+    slots = slots._replace(progress=_where_slots(active, updated, held),
+                           scores=_where_slots(active, kept, slots.scores))
+    report_scores = tuple(narrow(leaf) for leaf in slots.scores) if scores else (None, None, None)
+    return slots, DiffusionReport(details.closing & active, slots.progress.finished,
+                                  narrow(slots.progress.block), slots.progress.step, *report_scores)
+
+
 @functools.partial(jax.jit, static_argnames=("passes", "block_size", "sample", "scores"), donate_argnames=("slots",))
 def decide_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hidden: jax.Array, active: jax.Array,
                      committed: jax.Array, ids: TokenIds, *, block_size: int, sample: bool,
@@ -97,38 +149,71 @@ def decide_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hi
     the pass's; the LM head is applied here, to those rows). `committed` (bool [S]):
     slots whose pass committed their closed block — they start their next block first, all masks.
     sample: some active slot samples; scores: some asks for log-probabilities."""
-    size = block_size
+    progress = _fresh_progress(slots, active, committed, ids, block_size)
+    block_logits = passes.head_logits(params, hidden[:, :block_size])                  # [S, B, vocab]
+    after, details = denoising_step(progress, slots.facts, block_logits, _step_rules(slots, ids, sample))
+    return _kept(passes, params, slots, hidden, active, before=progress, progress=after, details=details, ids=ids,
+                 size=block_size, scores=scores)
+
+
+# ---------------------------------------------------------------------- a denoising step under grammars
+class DiffusionProposal(NamedTuple):
+    """A denoising step before its decision is applied, for the host's grammars to vet
+    (`decoding.constraints.commit_rule`): the schedule's proposal on the unmasked confidences. [S, B]
+    unless noted."""
+
+    block: jax.Array             # int32: the block before the step (a committed slot's all masks)
+    decided: jax.Array           # bool
+    fixed: jax.Array             # bool: prompt-tail positions
+    capped: jax.Array            # bool [S]: this step reaches the slot's step cap (every mask must be decided)
+    candidates: jax.Array        # int32: each position's candidate
+    after: jax.Array             # bool: the schedule's decided set after the step
+    edit: jax.Array              # bool: decided positions it replaces by their candidate
+    keep_open: jax.Array         # bool [S]
+    frontier_token: jax.Array    # int32 [S]: the frontier's candidate if its grammar allows it, else the choice
+    #                              among the tokens it allows
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "block_size", "sample"), donate_argnames=("slots",))
+def propose_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hidden: jax.Array,
+                      active: jax.Array, committed: jax.Array, ids: TokenIds, *, frontier: jax.Array,
+                      allowed: jax.Array, block_size: int, sample: bool) -> tuple[DiffusionSlots, DiffusionProposal]:
+    """`decide_diffusion`'s step up to the schedule's proposal (the committed slots' fresh blocks
+    are kept in `slots`); `apply_diffusion` applies it as the host vetted it. frontier: int32 [S],
+    the position whose candidate `allowed` (bool [S, V]) masks (any value where it is all ones)."""
+    progress = _fresh_progress(slots, active, committed, ids, block_size)
+    block_logits = passes.head_logits(params, hidden[:, :block_size])
+    rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+    processed, keys, choice, decision = propose(progress, slots.facts, block_logits, rules)
+    frontier_token = frontier_choice(processed, choice, keys, rules, frontier=frontier, allowed=allowed)
     held = slots.progress
-    narrow = lambda array: array[:, :size]
-    progress = held._replace(block=narrow(held.block), decided=narrow(held.decided), fixed=narrow(held.fixed),
-                             finished=held.finished | ~active)
-    fresh = committed[:, None]
-    progress = progress._replace(
-        block=jnp.where(fresh, ids.mask, progress.block), decided=progress.decided & ~fresh,
-        fixed=progress.fixed & ~fresh, block_index=progress.block_index + committed,
-        step=jnp.where(committed, 0, progress.step), post_fill=jnp.where(committed, 0, progress.post_fill),
-        open=progress.open | committed)
-    controls = slots.controls
-    rules = StepRules(controls=controls, ids=ids, steps_cap=slots.steps_cap,
-                      choose=per_slot_choice(controls, slots.sample, sample),
-                      schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule))
-    block_logits = passes.head_logits(params, hidden[:, :size])                  # [S, B, vocab]
-    before = progress
-    progress, details = denoising_step(progress, slots.facts, block_logits, rules)
-    progress = progress._replace(finished=jnp.where(active, progress.finished, held.finished))
-    widen = lambda full, part: full.at[:, :size].set(part)
-    updated = progress._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
-                                fixed=widen(held.fixed, progress.fixed))
-    kept = slots.scores
-    if scores:
-        narrow_scores = BlockScores(*(narrow(leaf) for leaf in kept))
-        recorded = _scored(before, slots.facts, block_logits, controls, ids, details, narrow_scores)
-        kept = BlockScores(*(widen(full, part) for full, part in zip(kept, recorded, strict=True)))
-    slots = slots._replace(progress=_where_slots(active, updated, held),
-                           scores=_where_slots(active, kept, slots.scores))
-    report_scores = tuple(narrow(leaf) for leaf in slots.scores) if scores else (None, None, None)
-    return slots, DiffusionReport(details.closing & active, slots.progress.finished,
-                                  narrow(slots.progress.block), slots.progress.step, *report_scores)
+    widen = lambda full, part: full.at[:, :block_size].set(part)
+    fresh = held._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
+                          fixed=widen(held.fixed, progress.fixed), block_index=progress.block_index,
+                          step=progress.step, post_fill=progress.post_fill, open=progress.open)
+    slots = slots._replace(progress=_where_slots(active, fresh, held))
+    return slots, DiffusionProposal(
+        block=progress.block, decided=progress.decided, fixed=progress.fixed,
+        capped=progress.step + 1 >= slots.steps_cap, candidates=choice.token, after=decision.decided,
+        edit=decision.edit, keep_open=jnp.broadcast_to(decision.keep_open, active.shape), frontier_token=frontier_token)
+
+
+@functools.partial(jax.jit, static_argnames=("passes", "block_size", "sample", "scores"), donate_argnames=("slots",))
+def apply_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hidden: jax.Array, active: jax.Array,
+                    ids: TokenIds, *, tokens: jax.Array, after: jax.Array, edit: jax.Array, keep_open: jax.Array,
+                    block_size: int, sample: bool, scores: bool) -> tuple[DiffusionSlots, DiffusionReport]:
+    """The proposed step as the host let it stand: `tokens` (int32 [S, B], the candidates as
+    vetted), the decided set `after` and the edits `edit` (bool [S, B]), `keep_open` (bool [S]). No
+    step fills every mask at the cap: the host's `after` does (for a slot without a grammar, as
+    `decide_diffusion` would)."""
+    progress = _fresh_progress(slots, active, jnp.zeros_like(active), ids, block_size)
+    rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+    choice = Choice(token=tokens, confidence=jnp.zeros(tokens.shape, jnp.float32),
+                    margin=jnp.zeros(tokens.shape, jnp.float32), entropy=jnp.zeros(tokens.shape, jnp.float32))
+    decision = Decision(decided=after, edit=edit, keep_open=keep_open)
+    stepped, details = apply_step(progress, slots.facts, choice, decision, rules)
+    return _kept(passes, params, slots, hidden, active, before=progress, progress=stepped, details=details, ids=ids,
+                 size=block_size, scores=scores)
 
 
 def _scored(before, facts, logits: jax.Array, controls: Controls, ids: TokenIds, details,
@@ -154,12 +239,16 @@ class AutoregressiveReport(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("passes", "sample"), donate_argnames=("slots",))
 def decide_autoregressive(passes: ModelPasses, params: Any, slots: AutoregressiveSlots, hidden: jax.Array,
-                          active: jax.Array, ids: TokenIds, *,
+                          active: jax.Array, ids: TokenIds, allowed: jax.Array | None = None, *,
                           sample: bool) -> tuple[AutoregressiveSlots, AutoregressiveReport]:
     """The next token of each `active` slot (bool [S]) from its logit row 0 (the last causal row
-    of its pass: the prompt's last, or its latest token's)."""
+    of its pass: the prompt's last, or its latest token's). allowed: bool [S, V], each slot's
+    grammar's tokens (logits outside it are -inf before the controls), or None (no slot has one)."""
     controls = slots.controls
-    token = next_tokens(logits=passes.head_logits(params, hidden[:, 0]), counts=slots.counts, index=slots.generated,
+    logits = passes.head_logits(params, hidden[:, 0])
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    token = next_tokens(logits=logits, counts=slots.counts, index=slots.generated,
                         prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls, ids=ids,
                         choose_rows=per_slot_choice(controls, slots.sample, sample))
     generated = slots.generated + active
@@ -190,12 +279,19 @@ class VerifiedReport(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("passes", "block_size"), donate_argnames=("slots",))
 def decide_verified(passes: ModelPasses, params: Any, slots: SpeculativeSlots, hidden: jax.Array,
-                    active: jax.Array, ids: TokenIds, *, block_size: int) -> tuple[SpeculativeSlots, VerifiedReport]:
+                    active: jax.Array, ids: TokenIds, allowed: jax.Array | None = None,
+                    draft_limit: jax.Array | None = None, *,
+                    block_size: int) -> tuple[SpeculativeSlots, VerifiedReport]:
     """The round's acceptance for the `active` slots, from the verification rows' logits (rows
-    0..B-1) after the pending token's (kept by `decide_drafts`)."""
+    0..B-1) after the pending token's (kept by `decide_drafts`). Under grammars: allowed (bool
+    [S, B+1, V], row j the tokens allowed after the first j drafts) and draft_limit (int32 [S], the
+    drafts each grammar takes), or None."""
     logits = passes.head_logits(params, hidden[:, :block_size])
     rows = jnp.concatenate([slots.pending_logits[:, None], logits], axis=1)
+    if allowed is not None:
+        rows = jnp.where(allowed, rows, -jnp.inf)
     out = accept_drafts(rows, slots.drafts[:, :block_size], slots.counts, slots.lengths, slots.prompt_thinking,
-                        slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active)
+                        slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active,
+                        draft_limit=draft_limit)
     slots = _where_slots(active, slots._replace(counts=out.counts, lengths=out.lengths), slots)
     return slots, VerifiedReport(out.choices, out.emitted, out.finished)

@@ -51,7 +51,7 @@ import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from clover_jax.core.ragged import TRASH_PAGE, layout, page_bytes, slot_state_bytes
-from decoding.engine import decisions, precompile as precompiling
+from decoding.engine import decisions, grammars, precompile as precompiling
 from decoding.engine.pages import PagePool, PoolExhausted
 from decoding.engine.prefix_cache import Boundary, PrefixCache, put_slot_gdn, slot_gdn
 from decoding.engine.requests import EngineEvent, EngineRequest, Listener, PreparedRequest, RequestStats, prepare
@@ -584,22 +584,31 @@ class Engine:
         jobs = []  # (report key, slot structure, program, its arguments after the structure, static arguments)
         for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
             chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
-            jobs.append((f"diffusion/{size}", "diffusion", decisions.decide_diffusion,
+            program = decisions.decide_diffusion
+            if any(t.prepared.grammar is not None for t in chosen):
+                program = functools.partial(grammars.diffusion_step, chosen, mask_id=int(context.ids.mask),
+                                            vocab=context.vocab)
+            jobs.append((f"diffusion/{size}", "diffusion", program,
                          (hidden, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
                          dict(block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
                               scores=any(t.prepared.logprobs is not None for t in chosen))))
         chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
         if chosen:
             jobs.append(("autoregressive", "autoregressive", decisions.decide_autoregressive,
-                         (hidden, mask_of(chosen), context.ids),
+                         (hidden, mask_of(chosen), context.ids,
+                          *grammars.next_token_masks(chosen, slots, context.vocab)),
                          dict(sample=any(t.prepared.config.do_sample for t in chosen))))
         for verifying in (False, True):
             for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
                 chosen = [t for t in deciding if t.mode == Mode.SELF_SPECULATIVE and t.block_size == size
                           and t.verifying == verifying]
-                if chosen:
-                    jobs.append((f"{'verified' if verifying else 'drafts'}/{size}", "speculative",
-                                 decisions.decide_verified if verifying else decisions.decide_drafts,
+                if chosen and verifying:
+                    jobs.append((f"verified/{size}", "speculative", decisions.decide_verified,
+                                 (hidden, mask_of(chosen), context.ids,
+                                  *grammars.verification_masks(chosen, slots, context.vocab, size)),
+                                 dict(block_size=size)))
+                elif chosen:
+                    jobs.append((f"drafts/{size}", "speculative", decisions.decide_drafts,
                                  (hidden, mask_of(chosen), context.ids), dict(block_size=size)))
         reports, failed = {}, {}
         for key, field, program, args, static in jobs:
@@ -670,6 +679,13 @@ class Engine:
                 tracked.pending, tracked.verifying = [], True
                 tracked.drafts = [int(token) for token in reports[f"drafts/{tracked.block_size}"][slot]]
                 tracked.nfe += 1
+            if outcome is not None and tracked.mode != Mode.DIFFUSION and tracked.prepared.grammar is not None:
+                try:
+                    tracked.prepared.grammar.consume(outcome.tokens)
+                except RuntimeError as error:  # a mask that let a refused token through: a bug, this request's alone
+                    logger.exception("request %d's grammar refused its own tokens", tracked.number)
+                    self._fail(tracked, f"decoding step failed: {error}")
+                    continue
             if outcome is not None:
                 outcomes.append(outcome)
         if self.prefix_cache is not None:  # before the reports: a request finishing now keeps this pass's boundary

@@ -3,7 +3,8 @@ events that come back.
 
 A request is checked as `generate` checks one (`decoding.validation`: the same checks and
 messages), then against what the engine serves: named schedules,
-absolute block alignment, the model's coreset setting, and the engine's context per slot.
+absolute block alignment, the model's coreset setting, and the engine's context per slot. A
+request under a constraint has its grammar compiled here, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
+from decoding.constraints.matcher import matcher_for
 from decoding.controls import Controls
 from decoding.engine.slot_states import MAX_TOP_LOGPROBS, SCHEDULES
 from decoding.generation_config import GenerationConfig
@@ -56,6 +58,7 @@ class PreparedRequest:
     key: Any = None              # `sequence_key_row(seed)`, made on the caller's thread
     schedule: Any = None         # diffusion: its parameters of the engine's schedule switch (one slot's row)
     logprobs: int | None = None  # diffusion: alternatives recorded per token (None: no log-probabilities)
+    grammar: Any = None          # under `config.constraint`: the request's `GrammarMatcher` (its state on the host)
 
     @property
     def max_new_tokens(self) -> int:
@@ -108,10 +111,6 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
     if not isinstance(config.schedule, str):
         raise FieldError("schedule", f"the serving engine runs the named schedules ({sorted(BY_NAME)}), not "
                                      "schedule functions", code=UNSUPPORTED)
-    if config.constraint is not None:
-        raise FieldError("constraint", "the serving engine does not decode under a constraint yet; "
-                                       "generate(..., constraint=...) does (docs/structured_outputs.md)",
-                         code=UNSUPPORTED)
     if config.block_alignment != "absolute":
         raise FieldError("block_alignment", "the serving engine aligns blocks to absolute positions "
                                             "(block_alignment='absolute')", code=UNSUPPORTED)
@@ -139,13 +138,17 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
         raise FieldError("max_new_tokens", f"{rule} = {needed} positions (P={len(prompt)}, N={config.max_new_tokens}"
                          + (f", B={config.block_size}" if decoder.decodes_blocks else "")
                          + f") exceeds the engine's context of {max_context} per request", code=CONTEXT_LENGTH)
+    thinking = prompt_thinking(prompt, config)
+    grammar = None
+    if config.constraint is not None:  # compiled here, so a grammar llguidance refuses fails before any compute
+        grammar = matcher_for(model, config, thinking)
     schedule = None
     if decoder.whole_blocks:
         schedule = jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
                                           SCHEDULES.params(config.schedule, config.schedule_params, config))
     return PreparedRequest(prompt=prompt, mode=decoder.mode, config=config, controls=controls_of(config),
-                           thinking=prompt_thinking(prompt, config), seed=int(request.seed),
-                           key=sequence_key_row(int(request.seed)), schedule=schedule, logprobs=request.logprobs)
+                           thinking=thinking, seed=int(request.seed), key=sequence_key_row(int(request.seed)),
+                           schedule=schedule, logprobs=request.logprobs, grammar=grammar)
 
 
 @functools.lru_cache(maxsize=256)

@@ -63,6 +63,8 @@ class Tracked:
     block: list | None = None           # its current block as the device holds it
     commits: bool = False               # its block closed: the next pass commits it
     blocks: int = 0                     # blocks closed
+    block_grammar: Any = None           # under a constraint: its `BlockGrammar`
+    grammar_block: int = -1             # the block the grammar has open
     # autoregressive (the latest token) and self-speculative (the tokens emitted since the state's end)
     pending: list = dataclasses.field(default_factory=list)
     verifying: bool = False             # self-speculative: its drafts wait for the verification pass

@@ -239,7 +239,7 @@ def test_queued_requests_are_admitted_when_every_running_one_finishes_in_the_sam
     (EngineRequest([1, 2], mode="beam"), "mode must be one of"),
     (EngineRequest([1, 2], seed=-1), "seed must be an integer"),
     (EngineRequest([1, 2], overrides={"block_size": 4}), r"block_size must be one of \[8\] on this engine"),
-    (EngineRequest([1, 2], overrides={"constraint": {"regex": "[0-9]+"}}), "not decode under a constraint yet"),
+    (EngineRequest([1, 2], overrides={"constraint": {"regex": "[0-9]+"}}), "directory with tokenizer"),
 ])
 def test_bad_requests_are_refused_before_compute(model, controls_config, request_, message):
     with Engine(model, controls_config, max_running=2, max_context=256) as engine:
