@@ -127,7 +127,8 @@ def grammar_text(constraint: Constraint) -> str:
 def _after_thinking(grammar: str, think_end_token_id: int) -> str:
     """`grammar` preceded by free text up to the `</think>` token: the answer of a response that
     starts inside thinking."""
-    answer = json.loads(grammar)["grammars"][0]
+    # llguidance gives a Lark grammar back as its text, the other kinds as its grammar JSON
+    answer = json.loads(grammar)["grammars"][0] if grammar.lstrip().startswith("{") else {"lark_grammar": grammar}
     top = {"lark_grammar": f"start: /(?s:.*)/ <[{int(think_end_token_id)}]> @answer"}
     return json.dumps({"grammars": [top, dict(answer, name="answer")]})
 

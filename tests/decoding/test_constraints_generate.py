@@ -90,8 +90,10 @@ def test_every_output_keeps_to_a_grammar_the_model_does_not_follow(bundled, prom
 def test_the_answer_after_thinking_is_constrained(bundled, prompts, tokenizer):
     thinking = [prompt + tokenizer.encode("<think>\n", add_special_tokens=False).ids for prompt in prompts]
     answer = r"\n\n(a|bb)( (a|bb))*"
-    for mode in ("diffusion", "autoregressive"):
-        out = generate(bundled, thinking, mode=mode, constraint=Constraint.regex(answer))
+    lark = 'start: "\\n\\n" ITEM (" " ITEM)*\nITEM: "a" | "bb"\n'
+    for mode, constraint in (("diffusion", Constraint.regex(answer)), ("autoregressive", Constraint.regex(answer)),
+                             ("autoregressive", Constraint.lark(lark))):
+        out = generate(bundled, thinking, mode=mode, constraint=constraint)
         for tokens in out.sequences:
             text = tokenizer.decode(tokens, skip_special_tokens=False)
             assert re.match(r"[0-9]+ digits\n</think>", text), text  # the thinking is the model's own

@@ -114,8 +114,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         chat = read_chat(await _read_json(request, max_body_bytes, body_timeout))
         prepared = await run_in_threadpool(service.prepare_chat, chat)
         make_text = lambda one: ChoiceText(service.tokenizer, chat.sampling.stop, reasoning=one.reasoning_opened,
-                                           tools=chat.tools, opening=one.opening, first_call_only=not
-                                           chat.parallel_tool_calls)
+                                           tools=chat.tools, first_call_only=not chat.parallel_tool_calls)
         texts = [make_text(one) for one in prepared]
         submissions = service.submit_all(prepared, metrics.engine_request_done)
         reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
@@ -199,8 +198,6 @@ class _Reply:
             raise ApiError(500, f"the request failed in the engine: {event.error}", None, "engine_error")
         if event.finish == "shutdown":
             raise shutting_down()
-        if text.forced:  # a forced call is the response, however it ended
-            return "tool_calls"
         reason = "stop" if text.stopped else FINISH.get(event.finish, "stop")
         return "tool_calls" if text.called and reason == "stop" else reason
 

@@ -2,9 +2,9 @@
 
 Every field is checked for its type and range before anything is computed. OpenAI fields that do
 not change the output (`store`, `metadata`, `user`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`, a tool's `strict`) are accepted and checked for their type; OpenAI fields
-that would change the output and are not implemented (`UNSUPPORTED`: `logit_bias`, `suffix`,
-`best_of` other than 1, structured `response_format`, ...) are refused by name rather than ignored,
+`safety_identifier`) are accepted and checked for their type; OpenAI fields that would change the
+output and are not implemented (`UNSUPPORTED`: `logit_bias`, `suffix`, `best_of` other than 1,
+...) are refused by name rather than ignored,
 and so is any field the server does not know (a typo is a 400, not a silent default). Clover's own
 decoding controls ride as extra fields (`threshold`, `block_size`, `schedule`, `schedule_params`,
 `mode`; vLLM-style `top_k` and `repetition_penalty` too), as OpenAI clients send them with `extra_body`.
@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Callable
 
 from clover_jax.api.serving.errors import bad_request
+from clover_jax.core.errors import FieldError
+from decoding.constraints.spec import Constraint
 from decoding.modes import MODES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -27,6 +30,8 @@ MAX_PROMPTS = 64
 MAX_CHOICES = 8                # n
 MAX_TOP_LOGPROBS = 20          # chat's top_logprobs (OpenAI's bound)
 MAX_COMPLETION_LOGPROBS = 5    # completions' logprobs (OpenAI's bound)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # response_format.json_schema.name (OpenAI's rule)
 # Output-changing OpenAI fields the server does not implement: refused by name when set.
 UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported",
@@ -66,6 +71,7 @@ class Sampling:
     logprobs: bool = False          # log-probabilities of the response tokens (and, with echo, the prompt's)
     top_logprobs: int = 0           # the most likely alternatives at each position
     echo: bool = False              # completions: the prompt is part of the text (and of the logprobs)
+    response_format: Constraint | None = None  # json_object / json_schema (None: text)
 
 
 @dataclasses.dataclass
@@ -76,7 +82,8 @@ class ChatRequest:
     template_kwargs: dict
     sampling: Sampling
     forced: str | None = None        # tool_choice: None (auto), "required", or the name of a function
-    parallel_tool_calls: bool = True  # false: the first tool call only
+    parallel_tool_calls: bool = True  # false: at most one tool call
+    strict: list[bool] = dataclasses.field(default_factory=list)  # per tool, its `strict`
 
 
 @dataclasses.dataclass
@@ -199,11 +206,42 @@ def read_sampling(fields: Fields, max_tokens_names: tuple[str, ...]) -> Sampling
         option_fields.done()
     read_neutral(fields)
     fields.get("best_of", _one("best_of"))
-    format_ = fields.get("response_format", _object)
-    if format_ is not None and format_.get("type") != "text":
-        raise bad_request("response_format other than {'type': 'text'} is not supported: Clover's decoding is not "
-                          "constrained to a schema", "response_format", "unsupported_parameter")
+    sampling.response_format = fields.get("response_format", read_response_format)
     return sampling
+
+
+def read_response_format(value: Any, name: str) -> Constraint | None:
+    """response_format: {"type": "text"} (None), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}} (the response is decoded under the
+    schema whether `strict` is true or not)."""
+    fields = Fields(_object(value, name), name)
+    kind = fields.get("type", one_of(RESPONSE_FORMATS))
+    if kind is None:
+        raise bad_request(f"{name}.type is required: one of {list(RESPONSE_FORMATS)}", f"{name}.type")
+    constraint = None
+    if kind == "json_object":
+        constraint = Constraint.json_object(field=name)
+    elif kind == "json_schema":
+        where = f"{name}.json_schema"
+        if fields.data.get("json_schema") is None:
+            raise bad_request(f"{where} is required for type json_schema", where)
+        spec = Fields(fields.get("json_schema", _object), where)
+        label = spec.get("name", text)
+        if label is None or not FORMAT_NAME.fullmatch(label):
+            raise bad_request(f"{where}.name is required: 1 to 64 letters, digits, underscores or dashes",
+                              f"{where}.name")
+        spec.get("description", text)
+        spec.get("strict", boolean)
+        schema = spec.get("schema", _object)
+        if schema is None:
+            raise bad_request(f"{where}.schema is required: the JSON schema the response keeps to", f"{where}.schema")
+        spec.done()
+        try:
+            constraint = Constraint.json_schema(schema, field=f"{where}.schema")
+        except FieldError as error:
+            raise bad_request(str(error), error.field) from None
+    fields.done()
+    return constraint
 
 
 def read_neutral(fields: Fields) -> None:
@@ -262,9 +300,14 @@ def read_chat(body: Any) -> ChatRequest:
         if not isinstance(tools, list):
             raise bad_request("tools must be a list of {'type': 'function', 'function': {...}} objects", "tools")
         tools = [read_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
+        names = [tool["function"]["name"] for tool in tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise bad_request(f"tools[{i}].function.name {name!r} names a tool twice", f"tools[{i}].function.name")
     forced = read_tool_choice(fields.get("tool_choice"), tools)
+    strict = [bool(tool["function"].pop("strict", False)) for tool in tools or ()]
     if forced == "none":
-        tools, forced = None, None
+        tools, forced, strict = None, None, []
     parallel = fields.get("parallel_tool_calls", boolean, True)
     template_kwargs = fields.get("chat_template_kwargs", _object, {})
     if "enable_thinking" in template_kwargs and not isinstance(template_kwargs["enable_thinking"], bool):
@@ -276,7 +319,7 @@ def read_chat(body: Any) -> ChatRequest:
     if sampling.top_logprobs and not sampling.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     fields.done()
-    return ChatRequest(model, messages, tools, template_kwargs, sampling, forced, parallel)
+    return ChatRequest(model, messages, tools, template_kwargs, sampling, forced, parallel, strict)
 
 
 def read_tool_choice(choice: Any, tools: list[dict] | None) -> str | None:
@@ -392,7 +435,9 @@ def read_tool(tool: Any, where: str) -> dict:
     parameters = function.get("parameters", _object)
     if parameters is not None:
         out["parameters"] = parameters
-    function.get("strict", boolean)  # accepted; the arguments are what the model writes (docs/serving.md)
+    strict = function.get("strict", boolean)
+    if strict is not None:  # taken out by read_chat (the chat template is not shown it)
+        out["strict"] = strict
     function.done()
     fields.done()
     return {"type": "function", "function": out}

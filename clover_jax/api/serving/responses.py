@@ -21,20 +21,17 @@ Delta = dict[str, Any]  # OpenAI's `delta`: {"content"} | {"reasoning_content"} 
 class ChoiceText:
     """One choice's tokens as deltas. reasoning: None (no reasoning parsing: completions), or
     whether the prompt already opened `<think>`; tools: the request's tools (None: no tool calls);
-    opening: a forced call's opening, which the prompt ends with (the response continues the call:
-    the parser reads the opening first); first_call_only: `parallel_tool_calls: false` (calls after
-    the first are dropped)."""
+    first_call_only: `parallel_tool_calls: false` (calls after the first are dropped: a response
+    decoded without a grammar may write several)."""
 
     def __init__(self, tokenizer, stops: Sequence[str], reasoning: bool | None = None,
-                 tools: list[dict] | None = None, opening: str = "", first_call_only: bool = False):
+                 tools: list[dict] | None = None, first_call_only: bool = False):
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopStrings(stops)
         self.reasoning = None if reasoning is None else ReasoningSplitter(reasoning)
         self.tools = ToolCallParser(tools) if tools else None
         self.call_ids: list[str] = []
         self.first_call_only = first_call_only
-        self.forced = bool(opening)
-        self.pending = self._content(opening, final=False) if opening and self.tools is not None else []
 
     @property
     def stopped(self) -> bool:
@@ -42,17 +39,11 @@ class ChoiceText:
         return self.stops.stopped
 
     def push(self, ids: Sequence[int]) -> list[Delta]:
-        return self._opened(self._text(self.stops.push(self.decoder.push(ids)), final=False))
+        return self._text(self.stops.push(self.decoder.push(ids)), final=False)
 
     def finish(self) -> list[Delta]:
         text = "" if self.stops.stopped else self.stops.push(self.decoder.flush())
-        return self._opened(self._text(text + self.stops.flush(), final=True))
-
-    def _opened(self, deltas: list[Delta]) -> list[Delta]:
-        """The forced call's own deltas (its name) before the first ones of the response."""
-        if self.pending:
-            deltas, self.pending = self.pending + deltas, []
-        return deltas
+        return self._text(text + self.stops.flush(), final=True)
 
     @property
     def called(self) -> bool:

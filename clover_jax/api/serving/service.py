@@ -18,7 +18,9 @@ import anyio.to_thread
 
 from clover_jax.api.serving.errors import ApiError, bad_request
 from clover_jax.api.serving.protocol import ChatRequest, CompletionRequest, Sampling
+from clover_jax.api.serving.structured import Tags, check_compiles, tags_of, tool_constraint
 from clover_jax.core.errors import CONTEXT_LENGTH, UNSUPPORTED, FieldError
+from decoding.constraints.spec import Constraint
 from decoding.engine import Engine, EngineClosed, EngineEvent, EngineRequest, QueueFull
 from decoding.layouts import prompt_thinking
 from decoding.modes import Mode, strategy
@@ -35,6 +37,8 @@ _PARAMS = {"max_new_tokens": "max_tokens", "do_sample": "temperature", "temperat
            "mode": "mode", "prompts": PROMPT}
 # FieldError codes that are OpenAI error codes too; the others are sent without a code.
 _CODES = {CONTEXT_LENGTH: "context_length_exceeded"}
+# A constraint's field is the request's own path to what gave it (structured outputs)
+_REQUEST_PATHS = ("response_format", "tools")
 
 
 @dataclasses.dataclass
@@ -45,13 +49,7 @@ class Prepared:
     request: EngineRequest
     block_size: int | None          # diffusion and self-speculative: the block size it decodes with
     reasoning_opened: bool = False  # the prompt ends inside <think>
-    opening: str = ""               # a forced tool call's opening, which the prompt ends with
     prompt_text: str | None = None  # completions: the prompt as text (echo)
-
-
-def forced_opening(name: str) -> str:
-    """The text a forced call of function `name` starts with, put at the end of the prompt."""
-    return f"<tool_call>\n<function={name}>\n"
 
 
 class Service:
@@ -64,6 +62,14 @@ class Service:
         self.context = engine.max_context
         self._scoring = threading.Lock()  # one scoring pass at a time beside the engine (memory)
         self._scoring_limiter: anyio.CapacityLimiter | None = None  # made in the server's event loop
+        self._tags: Tags | None = None
+
+    @property
+    def tags(self) -> Tags:
+        """The tool-call tags as the grammar writes them (`structured.tags_of`)."""
+        if self._tags is None:
+            self._tags = tags_of(self.tokenizer)
+        return self._tags
 
     async def run_scoring(self, function, *args):
         """`function(*args)`, a scoring pass, on a worker thread, one at a time: requests wait
@@ -84,9 +90,15 @@ class Service:
     def prepare_chat(self, chat: ChatRequest) -> list[Prepared]:
         """Render the conversation with the chat template (its tools, `chat_template_kwargs`) and
         make the engine requests, one per choice (`n`); raises ApiError (400) for anything the
-        template or the checks refuse. A forced tool choice closes thinking and ends the prompt with
-        the call's opening (`forced_opening`)."""
+        template or the checks refuse. The response is decoded under the grammar of its tool calls
+        and response_format (`structured.tool_constraint`), if any; a forced tool choice closes thinking."""
         self.check_model(chat.model)
+        constraint = chat.sampling.response_format
+        if constraint is not None:  # its own errors name its own field
+            check_compiles(constraint)
+        if chat.tools:
+            constraint = tool_constraint(chat.tools, chat.forced, chat.parallel_tool_calls, chat.strict, self.tags,
+                                         constraint)
         kwargs = dict(chat.template_kwargs)
         if chat.forced is not None:
             kwargs["enable_thinking"] = False
@@ -96,31 +108,13 @@ class Service:
         except ValueError as error:
             raise bad_request(f"the chat template refused the messages: {error}", "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
-        opening = ""
-        if chat.forced is not None:
-            defaults = self.engine.defaults
-            if prompt_thinking(prompt, defaults):  # a template that ignores enable_thinking: close it here
-                prompt = prompt + self.tokenizer.encode("\n</think>\n\n", add_special_tokens=False)
-            name = chat.forced if chat.forced != "required" else self._likeliest_tool(prompt, chat.tools)
-            opening = forced_opening(name)
-            prompt = prompt + self.tokenizer.encode(opening, add_special_tokens=False)
-        choices = self._prepared(prompt, chat.sampling, "messages")
+        if chat.forced is not None and prompt_thinking(prompt, self.engine.defaults):
+            # a template that ignores enable_thinking: thinking is closed here
+            prompt = prompt + self.tokenizer.encode("\n</think>\n\n", add_special_tokens=False)
+        choices = self._prepared(prompt, chat.sampling, "messages", constraint)
         for prepared in choices:
             prepared.reasoning_opened = prompt_thinking(prompt, self.engine.defaults)
-            prepared.opening = opening
         return choices
-
-    def _likeliest_tool(self, prompt: list[int], tools: list[dict]) -> str:
-        """The tool whose forced opening has the highest causal log-likelihood after `prompt`."""
-        best, best_score = None, -float("inf")
-        for tool in tools:
-            name = tool["function"]["name"]
-            opening = self.tokenizer.encode(forced_opening(name), add_special_tokens=False)
-            scores = self.prompt_scores(prompt + opening, 0)
-            score = float(scores.logprobs[len(prompt) - 1:].sum())
-            if score > best_score:
-                best, best_score = name, score
-        return best
 
     def prepare_completion(self, completion: CompletionRequest) -> list[Prepared]:
         """One engine request per prompt and choice: prompt p's choice i is element p * n + i."""
@@ -130,14 +124,19 @@ class Service:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise bad_request(f"prompt {index} has no tokens", "prompt")
-            for one in self._prepared(ids, completion.sampling, "prompt"):
+            for one in self._prepared(ids, completion.sampling, "prompt", completion.sampling.response_format):
                 one.prompt_text = prompt if isinstance(prompt, str) else None
                 prepared.append(one)
         return prepared
 
-    def _prepared(self, prompt: list[int], sampling: Sampling, where: str) -> list[Prepared]:
-        """The engine requests of one prompt: `sampling.n` of them, choice i with seed + i."""
+    def _prepared(self, prompt: list[int], sampling: Sampling, where: str,
+                  constraint: Constraint | None = None) -> list[Prepared]:
+        """The engine requests of one prompt: `sampling.n` of them, choice i with seed + i, under
+        `constraint` (its grammar checked first, so that a bad one costs no compute)."""
         overrides = self._overrides(sampling)
+        if constraint is not None:
+            check_compiles(constraint)
+            overrides["constraint"] = constraint
         decoder = strategy(sampling.mode)  # the protocol accepted only mode names
         config = self.engine.defaults.replace(**{k: v for k, v in overrides.items() if k != "max_new_tokens"})
         if sampling.max_tokens is None:
@@ -270,6 +269,8 @@ def _refusal(error: ValueError, where: str) -> ApiError:
     field = getattr(error, "field", None) if isinstance(error, FieldError) else None
     code = getattr(error, "code", None)
     param = None if code == UNSUPPORTED else _PARAMS.get(field)
+    if isinstance(field, str) and field.startswith(_REQUEST_PATHS):
+        param = field
     if param is PROMPT or code == CONTEXT_LENGTH:
         param = where or "messages"
     return bad_request(str(error), param, _CODES.get(code))

@@ -12,7 +12,8 @@ Two forms between `<tool_call>` and `</tool_call>`:
 
 Each call becomes an OpenAI tool call whose `function.arguments` is a JSON object string. In the
 parameter form every value is text: it is typed by the tool's JSON schema (`integer`, `number`,
-`boolean`, `null`, `object`, `array`; `string` and unknown parameters stay text), with the one
+`boolean`, `null`, `object`, `array`, from `type`, `enum`/`const` or `anyOf`/`oneOf`, following a
+local `$ref`; `string` and unknown parameters stay text), with the one
 newline after `<parameter=…>` and before `</parameter>` dropped. Events come out as soon as the
 text allows: a call's name when `<function=NAME>` is complete, its arguments one parameter at a
 time (`{"city": "Paris"` … `, "days": 3` … `}`), so the fragments concatenate to the arguments
@@ -205,11 +206,14 @@ class ToolCallParser:
         schema = self.schemas.get(self.name or "", {})
         properties = schema.get("properties", {}) if isinstance(schema, Mapping) else {}
         spec = properties.get(name) if isinstance(properties, Mapping) else None
-        return typed_value(text, _types(spec))
+        return typed_value(text, value_types(spec, schema))
 
 
-def _types(spec: Any) -> list[str]:
-    """The JSON types a parameter schema allows (`type`, a list of types, or `anyOf`/`oneOf`)."""
+def value_types(spec: Any, root: Any = None) -> list[str]:
+    """The JSON types a parameter schema allows (`type`, a list of types, the types of `const` or
+    `enum`, or those of `anyOf`/`oneOf`; a local `$ref` into `root`, the tool's parameters, is
+    followed); [] when it says none (the value is read as text)."""
+    spec = resolve(spec, root)
     if not isinstance(spec, Mapping):
         return []
     kind = spec.get("type")
@@ -217,7 +221,42 @@ def _types(spec: Any) -> list[str]:
         return [kind]
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
-    return [t for option in spec.get("anyOf", spec.get("oneOf", [])) for t in _types(option)]
+    if "const" in spec:
+        return [json_type(spec["const"])]
+    if isinstance(spec.get("enum"), list):
+        return list(dict.fromkeys(json_type(value) for value in spec["enum"]))
+    options = spec.get("anyOf", spec.get("oneOf", []))
+    return list(dict.fromkeys(t for option in options for t in value_types(option, root))) \
+        if isinstance(options, list) else []
+
+
+def resolve(spec: Any, root: Any, depth: int = 16) -> Any:
+    """`spec` with a local `$ref` ("#/$defs/name", any JSON pointer into `root`) followed; a
+    reference that leads nowhere is left as it is."""
+    while depth and isinstance(spec, Mapping) and isinstance(spec.get("$ref"), str) and spec["$ref"].startswith("#"):
+        target = root
+        for part in spec["$ref"][1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, Mapping) else None
+        if target is None:
+            return spec
+        spec, depth = target, depth - 1
+    return spec
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a Python value as `json.loads` gives it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
 
 
 def typed_value(text: str, types: Sequence[str]) -> Any:

@@ -190,9 +190,8 @@ def test_incremental_decoding_puts_together_the_decoded_text():
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_parallel_tool_calls_false_keeps_the_first_call_and_a_forced_opening_begins_the_call():
+def test_parallel_tool_calls_false_keeps_the_first_call_and_a_cut_call_keeps_its_complete_parameters():
     from clover_jax.api.serving.responses import ChoiceText, Message
-    from clover_jax.api.serving.service import forced_opening
 
     ids = CharTokenizer.encode(XML_CALLS)
     for cuts in ([], list(range(1, len(ids), 5))):
@@ -203,12 +202,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call_and_a_forced_opening_beg
         calls = message.as_openai()["tool_calls"]
         assert [c["function"]["name"] for c in calls] == ["get_weather"]
         assert json.loads(calls[0]["function"]["arguments"])["days"] == 3
-    # a forced call: the prompt ends with the opening; the response writes the arguments and stops
-    # without closing the call, which is closed with the parameters it completed
-    response = "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2"
+    # a call cut by max_tokens (a grammar's valid prefix) is closed with the parameters it completed
+    response = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2"
     message = Message()
-    text = ChoiceText(CharTokenizer(), [], False, TOOLS, opening=forced_opening("get_weather"))
+    text = ChoiceText(CharTokenizer(), [], False, TOOLS)
     message.add(text.push(CharTokenizer.encode(response)) + text.finish())
     [call] = message.as_openai()["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert text.forced and message.as_openai()["content"] is None
+    assert message.as_openai()["content"] is None

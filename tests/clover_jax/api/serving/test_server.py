@@ -181,7 +181,7 @@ BAD = [
     ({"presence_penalty": -1}, 400, "presence_penalty", None),
     ({"mode": "self_speculative", "temperature": 0.7}, 400, None, None),
     ({"n": 9}, 400, "n", None),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format.type", None),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
 ]
 
