@@ -30,7 +30,8 @@ the engine depends on those alone: one per padded token count.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,39 @@ def scatter_rows(base: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Arr
     flat_rows = rows.reshape(-1)
     return base.at[flat_rows].set(values.reshape((flat_rows.shape[0],) + base.shape[1:]).astype(base.dtype),
                                   mode="drop")
+
+
+# Where a pass's per-slot and per-tile work runs at a width bounded by data (`on_live`): a CPU. An XLA
+# conditional costs a GPU a host round trip per layer; there the Pallas paged kernel skips padding
+# tiles itself and the slots' block work is small beside reading the weights.
+COMPACT_PLATFORMS = ("cpu",)
+
+
+def live_widths(size: int) -> tuple[int, ...]:
+    """The widths `on_live` runs `size` entries at: 0, 1 and `size` (each width is a branch compiled
+    into every forward: more of them would cost more compiling than they save)."""
+    return (0, 1, size) if size > 1 else (0, size)
+
+
+def on_live(count: jax.Array, size: int, run: Callable[[int], object], *, compact: bool, empty=None):
+    """`run(width)` for the smallest width of `live_widths(size)` that holds `count` (int32 []: the
+    entries that hold work, first of the `size`), chosen at run time by `jax.lax.switch`: one program
+    whatever the count, and the entries past the chosen width (padding: no work) cost nothing. `run`
+    must give the same result at any width >= count. empty: the result when `count` is 0 (None: run
+    at the next width). Not `compact`: `run(size)` alone."""
+    widths = live_widths(size) if compact else (size,)
+    if empty is None or not compact:
+        widths = tuple(width for width in widths if width > 0)
+    if len(widths) == 1:
+        return run(widths[0])
+    index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < count)
+    branches = [(lambda empty=empty: empty) if width == 0 else functools.partial(run, width) for width in widths]
+    return jax.lax.switch(index, branches)
+
+
+def slots_first(has_work: jax.Array) -> jax.Array:
+    """int32 [S]: the slots with work (`has_work` bool [S]) first, in order, then the others."""
+    return jnp.argsort(~has_work, stable=True).astype(jnp.int32)
 
 
 def empty_paged_state(config: CloverConfig, slots: int, num_pages: int, page_size: int, dtype) -> PagedState:

@@ -25,7 +25,7 @@ from flax import linen as nn
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import KernelChoice
 from clover_jax.core.passes import PassMode
-from clover_jax.core.ragged import KVPages, PagedBatch, RaggedMode
+from clover_jax.core.ragged import COMPACT_PLATFORMS, KVPages, PagedBatch, RaggedMode
 from clover_jax.core.state import KVCache, Rows
 from clover_jax.core.streams import StreamMode
 from clover_jax.nn.fused_attention import fused_attention
@@ -133,7 +133,7 @@ class GatedAttention(nn.Module):
                                self.mesh_sharding)
         else:
             out = paged_attention(query, pages.key, pages.value, group, batch.page_table, batch.tile_rows,
-                                  batch.tile_slot, limit)
+                                  batch.tile_slot, limit, compact=self.kernels.platform in COMPACT_PLATFORMS)
         return self._output(out[None], gate), pages
 
     def _output(self, out: jax.Array, gate: jax.Array) -> jax.Array:

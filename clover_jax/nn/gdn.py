@@ -36,7 +36,15 @@ from jax.sharding import PartitionSpec
 from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import GDNRule, KernelChoice
 from clover_jax.core.passes import PassMode
-from clover_jax.core.ragged import PagedBatch, RaggedMode, gather_rows, scatter_rows
+from clover_jax.core.ragged import (
+    COMPACT_PLATFORMS,
+    PagedBatch,
+    RaggedMode,
+    gather_rows,
+    on_live,
+    scatter_rows,
+    slots_first,
+)
 from clover_jax.core.state import GDNRecord, GDNState, RecordingGDN, Rows
 from clover_jax.core.streams import StreamMode
 from clover_jax.nn.gated_delta import (
@@ -292,13 +300,24 @@ class GatedDeltaNet(nn.Module):
 
         # Block rows: block mode against the state each slot's causal segment left (its block of B_s
         # rows padded to Bmax with zero rows, which the right-context conv reads as past the block).
-        block = gather_rows(mixed, batch.block_rows)                                           # [S, Bmax, ch]
-        window = jnp.concatenate([state.conv.astype(mixed.dtype), block], axis=1)
-        activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight) + right_context_conv(block, right_weight))
-        query, key, value = split_qkv(activated)
-        block_core = block_mode(repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent,
-                                lengths=batch.block_length)
-        core = scatter_rows(core, batch.block_rows, block_core)
+        # On a CPU only the slots with a block run (`on_live`): a lone request's block is one slot's work.
+        num_slots = batch.block_length.shape[0]
+        order = slots_first(batch.block_length > 0)
+
+        def blocks(width: int) -> jax.Array:
+            chosen = order[:width] if width < num_slots else slice(None)
+            block_rows = batch.block_rows[chosen]
+            block = gather_rows(mixed, block_rows)                                             # [w, Bmax, ch]
+            window = jnp.concatenate([state.conv[chosen].astype(mixed.dtype), block], axis=1)
+            activated = jax.nn.silu(causal_depthwise_conv(window, conv_weight)
+                                    + right_context_conv(block, right_weight))
+            query, key, value = split_qkv(activated)
+            block_core = block_mode(repeat(query), repeat(key), value.astype(jnp.float32), state.recurrent[chosen],
+                                    lengths=batch.block_length[chosen])
+            return scatter_rows(core, block_rows, block_core)
+
+        core = on_live(jnp.sum(batch.block_length > 0), num_slots, blocks,
+                       compact=self.kernels.platform in COMPACT_PLATFORMS, empty=core)
         put = lambda all_groups, ours: jax.lax.dynamic_update_index_in_dim(
             all_groups, ours.astype(all_groups.dtype), group, 0)
         return self._output(core[None], gate), jax.tree_util.tree_map(put, stacked, state)

@@ -29,7 +29,15 @@ from clover_jax.core.config import CloverConfig
 from clover_jax.core.kernels import ExpertRule, KernelChoice
 from clover_jax.core.passes import PassMode
 from clover_jax.core.quantization import QuantizedWeight
-from clover_jax.core.ragged import PagedBatch, RaggedMode, gather_rows, scatter_rows
+from clover_jax.core.ragged import (
+    COMPACT_PLATFORMS,
+    PagedBatch,
+    RaggedMode,
+    gather_rows,
+    on_live,
+    scatter_rows,
+    slots_first,
+)
 from clover_jax.core.streams import StreamMode, Streams
 from clover_jax.nn.coreset import coreset_mask, distinct_experts, route_within
 from clover_jax.nn.expert_dispatch import grouped_expert_mlp, per_expert, routed_expert_mlp, stacked
@@ -213,10 +221,20 @@ class SparseMoE(nn.Module):
         dispatch), so that the pass's padding costs no expert work."""
         if coreset:
             top_k = self.config.num_experts_per_tok
-            window = gather_rows(probabilities, batch.block_rows)                      # [S, Bmax, E]
-            block_ids, block_weights = route_within(window, coreset_mask(window, top_k, coreset_top_p), top_k)
-            expert_ids = scatter_rows(expert_ids, batch.block_rows, block_ids)
-            expert_weights = scatter_rows(expert_weights, batch.block_rows, block_weights)
+            num_slots = batch.block_length.shape[0]
+            order = slots_first(batch.block_length > 0)
+
+            def routes(width: int) -> tuple[jax.Array, jax.Array]:  # the first `width` slots' blocks of `order`
+                block_rows = batch.block_rows[order[:width] if width < num_slots else slice(None)]
+                window = gather_rows(probabilities, block_rows)                        # [w, Bmax, E]
+                block_ids, block_weights = route_within(window, coreset_mask(window, top_k, coreset_top_p), top_k)
+                return (scatter_rows(expert_ids, block_rows, block_ids),
+                        scatter_rows(expert_weights, block_rows, block_weights))
+
+            # on a CPU only the slots with a block route within their coreset (`on_live`)
+            expert_ids, expert_weights = on_live(jnp.sum(batch.block_length > 0), num_slots, routes,
+                                                 compact=self.kernels.platform in COMPACT_PLATFORMS,
+                                                 empty=(expert_ids, expert_weights))
         valid = batch.valid[:, None]
         return jnp.where(valid, expert_ids, self.config.num_experts), jnp.where(valid, expert_weights, 0.0)
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from clover_jax.core.ragged import gather_rows, scatter_rows
+from clover_jax.core.ragged import gather_rows, on_live, scatter_rows
 from clover_jax.nn.online_attention import KeySegment, online_attention
 
 # Keys a tile gathers per read (tiles x this many keys x kv heads x head dim at a time).
@@ -21,29 +21,39 @@ KEYS_PER_READ = 256
 
 
 def paged_attention(query: jax.Array, key_pages: jax.Array, value_pages: jax.Array, group, page_table: jax.Array,
-                    tile_rows: jax.Array, tile_slot: jax.Array, limit: jax.Array) -> jax.Array:
+                    tile_rows: jax.Array, tile_slot: jax.Array, limit: jax.Array, *,
+                    compact: bool = False) -> jax.Array:
     """query: [T, heads, head_dim] (rotated, unscaled); key_pages, value_pages: [num_groups,
     num_pages, kv_heads, page_size, head_dim], of which group `group` is read; page_table: int32
-    [S, pages_per_slot]; tile_rows: int32 [tiles, R] (T: none), each tile's rows of one slot;
-    tile_slot: int32 [tiles]; limit: int32 [T] -> [T, heads, head_dim]. Row t attends to positions
-    [0, limit[t]) of its slot; a row with limit 0 gets zeros."""
+    [S, pages_per_slot]; tile_rows: int32 [tiles, R] (T: none), each tile's rows of one slot, the
+    tiles holding rows first (`layout`'s); tile_slot: int32 [tiles]; limit: int32 [T] ->
+    [T, heads, head_dim]. Row t attends to positions [0, limit[t]) of its slot; a row with limit 0
+    gets zeros. compact: only the tiles holding rows are computed, at a width of `on_live`'s (a
+    pass of one request's rows runs its few tiles, not the `S` more its shape has room for)."""
     page_size = key_pages.shape[3]
     pages_per_slot = page_table.shape[1]
     per_read = max(1, min(pages_per_slot, KEYS_PER_READ // page_size))
-    tables = page_table[tile_slot]                                            # [tiles, pages_per_slot]
-    tile_limit = gather_rows(limit, tile_rows)                                # [tiles, R]
+    num_tokens = query.shape[0]
 
-    def read(first, size):  # `first` is a multiple of the page size (reads are whole pages)
-        count = -(-size // page_size)
-        pages = jax.lax.dynamic_slice_in_dim(tables, first // page_size, count, axis=1)  # [tiles, count]
-        shape = (tables.shape[0], count * page_size, key_pages.shape[2], key_pages.shape[4])
-        positions = lambda stack: stack[group, pages].transpose(0, 1, 3, 2, 4).reshape(shape)[:, :size]
-        return positions(key_pages), positions(value_pages)
+    def attend(width: int) -> jax.Array:
+        rows = tile_rows[:width]
+        tables = page_table[tile_slot[:width]]                                # [tiles, pages_per_slot]
+        tile_limit = gather_rows(limit, rows)                                 # [tiles, R]
 
-    allowed = lambda index: index[None, None, :] < tile_limit[:, :, None]
-    segment = KeySegment(read, pages_per_slot * page_size, allowed, jnp.max(limit))
-    out = online_attention(gather_rows(query, tile_rows), [segment], key_block=per_read * page_size)
-    return scatter_rows(jnp.zeros_like(query), tile_rows, out)
+        def read(first, size):  # `first` is a multiple of the page size (reads are whole pages)
+            count = -(-size // page_size)
+            pages = jax.lax.dynamic_slice_in_dim(tables, first // page_size, count, axis=1)  # [tiles, count]
+            shape = (tables.shape[0], count * page_size, key_pages.shape[2], key_pages.shape[4])
+            positions = lambda stack: stack[group, pages].transpose(0, 1, 3, 2, 4).reshape(shape)[:, :size]
+            return positions(key_pages), positions(value_pages)
+
+        allowed = lambda index: index[None, None, :] < tile_limit[:, :, None]
+        segment = KeySegment(read, pages_per_slot * page_size, allowed, jnp.max(tile_limit))
+        out = online_attention(gather_rows(query, rows), [segment], key_block=per_read * page_size)
+        return scatter_rows(jnp.zeros_like(query), rows, out)
+
+    count = jnp.sum(tile_rows[:, 0] < num_tokens)
+    return on_live(count, tile_rows.shape[0], attend, compact=compact)
 
 
 def write_pages(pages: jax.Array, group, rows: jax.Array, page: jax.Array, row_in_page: jax.Array) -> jax.Array:

@@ -150,3 +150,45 @@ def test_the_pallas_kernel_over_pages_equals_the_xla_rule_in_the_pass(setup):
     plain, pallas = run(ids, batch, first.state), run_kernel(ids, batch, first.state)
     close(pallas.logits[0, :8], plain.logits[0, :8])
     close(pallas.logits[1, :1], plain.logits[1, :1])
+
+
+def test_on_live_runs_the_smallest_width_that_holds_the_count():
+    from clover_jax.core.ragged import live_widths, on_live
+
+    assert live_widths(1) == (0, 1) and live_widths(16) == (0, 1, 16) and live_widths(18) == (0, 1, 18)
+    chosen = jax.jit(lambda count: on_live(count, 18, lambda width: jnp.int32(width), compact=True,
+                                           empty=jnp.int32(-1)))
+    assert [int(chosen(jnp.int32(count))) for count in (0, 1, 2, 5, 18)] == [-1, 1, 18, 18, 18]
+    # no empty result: a count of 0 runs the smallest width; not compact: the whole size alone
+    assert int(jax.jit(lambda c: on_live(c, 18, lambda width: jnp.int32(width), compact=True))(jnp.int32(0))) == 1
+    assert int(jax.jit(lambda c: on_live(c, 18, lambda width: jnp.int32(width), compact=False))(jnp.int32(1))) == 18
+
+
+def test_a_pass_computed_at_the_live_width_equals_the_whole_width(setup, monkeypatch):
+    """On a CPU the pass runs its attention tiles, GDN blocks and coreset routes at a width bounded
+    by the work it holds (`on_live`); the same pass at the full width gives the same logits and state."""
+    from clover_jax.nn import attention, gdn, moe
+
+    model, run, table, state = setup
+    config = model.config
+    rng = np.random.RandomState(2)
+    prompt = rng.randint(2, MASK_ID, 11).tolist()
+    works = [SlotWork(2, 0, tuple(prompt[:8]), tuple(prompt[8:]) + (MASK_ID,) * 5, True, tuple(range(8, 16)))]
+    ids, batch = layout(works, num_tokens=32, page_table=table, max_block=8, logit_width=9, chunk=16)
+    live = run(ids, batch, state)
+    for module in (attention, gdn, moe):
+        monkeypatch.setattr(module, "COMPACT_PLATFORMS", ())
+    passes, params = model.passes, model.run_params
+
+    @jax.jit
+    def whole(ids, batch, state):
+        out = passes.ragged(params, jnp.asarray(ids), batch, state, coreset=config.moe_block_coreset_enabled,
+                            coreset_top_p=config.moe_block_coreset_top_p)
+        return Pass(passes.head_logits(params, out.hidden), out.state)
+
+    full = whole(ids, batch, state)
+    close(live.logits[2, :8], full.logits[2, :8])
+    for name, layer in live.state.layers.items():
+        for ours, theirs in zip(layer, full.state.layers[name], strict=True):
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=0,
+                                       atol=1e-5 * max(1.0, float(np.abs(np.asarray(theirs)).max())))
