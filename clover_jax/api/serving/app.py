@@ -2,7 +2,7 @@
 
 Every request is read and checked before the engine sees it (`protocol`, `service`); any refusal
 is an HTTP 4xx with an OpenAI error body, and the server keeps serving. With an API key, every
-request must carry `Authorization: Bearer KEY` (401 otherwise). Request bodies are bounded
+request must carry `Authorization: Bearer KEY` or `x-api-key: KEY` (401 otherwise). Request bodies are bounded
 (413 beyond `max_body_bytes`) and must arrive within `body_timeout` seconds (408 after it, so
 that a client that stops sending mid-body holds no connection forever). Streaming responses are
 server-sent events that carry text as blocks are decided (with its tokens' log-probabilities,
@@ -12,39 +12,46 @@ that disconnects cancels its request, which frees its slot at the engine's next 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
 
-import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover_jax.api.serving.errors import ApiError, bad_request
-from clover_jax.api.serving.logprobs import StreamedLogprobs, chat_logprobs, completion_logprobs, no_scores
+from clover_jax.api.serving.anthropic_messages import add_messages_routes
+from clover_jax.api.serving.errors import ApiError
+from clover_jax.api.serving.logprobs import chat_logprobs
 from clover_jax.api.serving.metrics import CONTENT_TYPE, Metrics
+from clover_jax.api.serving.pipeline import (
+    STARTED,
+    Reply,
+    choice_text,
+    collect_all,
+    completion_scores,
+    echo_text,
+    read_json,
+    response_scores,
+    sse,
+    stream,
+    streamed_scores,
+)
 from clover_jax.api.serving.protocol import read_chat, read_completion
-from clover_jax.api.serving.responses import ChoiceText, Message, prompt_tokens_details
-from clover_jax.api.serving.service import Prepared, Service, Submission, shutting_down
-from decoding.engine import EngineEvent
-from decoding.modes import Mode
-from decoding.scoring import TokenScores
+from clover_jax.api.serving.responses import ChoiceText
+from clover_jax.api.serving.responses_api import add_responses_routes
+from clover_jax.api.serving.service import Service
 
 logger = logging.getLogger(__name__)
 request_log = logging.getLogger("clover_jax.api.serving.requests")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/responses",
+             "/v1/messages", "/v1/messages/count_tokens")
 MAX_REQUEST_ID = 200  # characters of a client's X-Request-Id kept; a longer or unprintable one is replaced
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body, from its first byte
-# engine finish -> OpenAI finish_reason
-FINISH = {"eos": "stop", "length": "length"}
 
 
 def create_app(service: Service, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -57,11 +64,9 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())):
-                return _error(ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", None,
-                                       "invalid_api_key"))
+        if api_key is not None and not _authorized(request, api_key):
+            return _error(ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>'", None, "invalid_api_key"))
         return await call_next(request)
 
     @app.middleware("http")
@@ -106,30 +111,28 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": _STARTED,
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": STARTED,
                                             "owned_by": "clover-jax", "max_model_len": service.context}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        chat = read_chat(await _read_json(request, max_body_bytes, body_timeout))
+        chat = read_chat(await read_json(request, max_body_bytes, body_timeout))
         prepared = await run_in_threadpool(service.prepare_chat, chat)
-        make_text = lambda one: ChoiceText(service.tokenizer, chat.sampling.stop, reasoning=one.reasoning_opened,
-                                           tools=chat.tools, first_call_only=not chat.parallel_tool_calls)
-        texts = [make_text(one) for one in prepared]
+        texts = [choice_text(service, chat, one) for one in prepared]
         submissions = service.submit_all(prepared, metrics.engine_request_done)
-        reply = _Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
+        reply = Reply("chatcmpl", "chat.completion", service.name, prepared, chat.sampling)
         if chat.sampling.stream:
-            scores = _streamed_scores(service, prepared, chat.sampling, chat=True)
-            return _sse(_stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores,
+            scores = streamed_scores(service, prepared, chat.sampling, chat=True)
+            return sse(stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores,
                                 run_scoring=service.run_scoring))
-        messages, collected = await _collect_all(request, submissions, texts)
+        messages, collected = await collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
                                                                                strict=True)):
             finish = reply.finish(event, text)
             scores = None
             if chat.sampling.logprobs:
-                scores = await service.run_scoring(_response_scores, service, prepared[index], tokens, logprobs,
+                scores = await service.run_scoring(response_scores, service, prepared[index], tokens, logprobs,
                                                  chat.sampling.top_logprobs)
             choices.append({"index": index, "message": message.as_openai(),
                             "logprobs": None if scores is None else chat_logprobs(service.tokenizer, tokens, scores),
@@ -138,323 +141,50 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        completion = read_completion(await _read_json(request, max_body_bytes, body_timeout))
+        completion = read_completion(await read_json(request, max_body_bytes, body_timeout))
         sampling = completion.sampling
         prepared = await run_in_threadpool(service.prepare_completion, completion)
         texts = [ChoiceText(service.tokenizer, sampling.stop) for _ in prepared]
-        echoes = [_echo_text(service, one) if sampling.echo else "" for one in prepared]
+        echoes = [echo_text(service, one) if sampling.echo else "" for one in prepared]
         submissions = service.submit_all(prepared, metrics.engine_request_done)  # all prompts, or one 503
-        reply = _Reply("cmpl", "text_completion", service.name, prepared, sampling)
+        reply = Reply("cmpl", "text_completion", service.name, prepared, sampling)
         if sampling.stream:
-            scores = _streamed_scores(service, prepared, sampling, chat=False)
+            scores = streamed_scores(service, prepared, sampling, chat=False)
             echo_scores = None
             if sampling.logprobs and sampling.echo:
                 try:
-                    echo_scores = [await service.run_scoring(_echo_scores, service, one, sampling.top_logprobs,
+                    echo_scores = [await service.run_scoring(echo_scores, service, one, sampling.top_logprobs,
                                                            scores[i]) for i, one in enumerate(prepared)]
                 except BaseException:  # no stream will end the submitted requests: free their slots here
                     for submission in submissions:
                         submission.cancel()
                     raise
-            return _sse(_stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
+            return sse(stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
                                 scores=scores, echo_scores=echo_scores, run_scoring=service.run_scoring))
-        messages, collected = await _collect_all(request, submissions, texts)
+        messages, collected = await collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
                                                                                strict=True)):
             finish = reply.finish(event, text)
             scores = None
             if sampling.logprobs:
-                scores = await service.run_scoring(_completion_scores, service, prepared[index], tokens, logprobs,
+                scores = await service.run_scoring(completion_scores, service, prepared[index], tokens, logprobs,
                                                  sampling.top_logprobs, sampling.echo)
             choices.append({"index": index, "text": echoes[index] + message.text, "logprobs": scores,
                             "finish_reason": finish})
         return reply.body(choices, [event for event, _, _ in collected])
 
+    add_responses_routes(app, service, metrics, max_body_bytes, body_timeout)
+    add_messages_routes(app, service, metrics.engine_request_done, max_body_bytes, body_timeout)
     return app
 
 
-_STARTED = int(time.time())
-
-
-# ---------------------------------------------------------------------- bodies
-class _Reply:
-    """The parts every response body of one request shares: id, object, created, model, usage,
-    and Clover's figures."""
-
-    def __init__(self, prefix: str, kind: str, model: str, prepared: Prepared | list[Prepared], sampling):
-        self.id, self.kind, self.model = f"{prefix}-{uuid.uuid4().hex}", kind, model
-        self.created = int(time.time())
-        self.prepared = prepared if isinstance(prepared, list) else [prepared]
-        self.sampling = sampling
-
-    def base(self, kind: str | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": kind or self.kind, "created": self.created, "model": self.model}
-
-    def finish(self, event: EngineEvent, text: ChoiceText) -> str:
-        """The choice's finish_reason; a request the engine failed or the shutdown ended raises
-        ApiError (500, 503): it is never reported as "stop"."""
-        if event.finish == "error":
-            raise ApiError(500, f"the request failed in the engine: {event.error}", None, "engine_error")
-        if event.finish == "shutdown":
-            raise shutting_down()
-        reason = "stop" if text.stopped else FINISH.get(event.finish, "stop")
-        return "tool_calls" if text.called and reason == "stop" else reason
-
-    def usage(self, events: list[EngineEvent]) -> dict[str, Any]:
-        # n choices of a prompt read it once
-        prompt = sum(len(p.prompt) for p in self.prepared[::self.sampling.n])
-        completion = sum(e.stats.completion_tokens for e in events if e.stats is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": prompt_tokens_details([e.stats for e in events])}
-
-    def clover(self, events: list[EngineEvent]) -> dict[str, Any]:
-        """Clover's own figures: forwards (NFE), tokens per forward, denoising steps per block."""
-        stats = [e.stats for e in events if e.stats is not None]
-        nfe = sum(s.nfe for s in stats)
-        tokens = sum(s.completion_tokens for s in stats)
-        first = self.prepared[0]
-        figures = {"mode": first.request.mode, "nfe": nfe, "tokens_per_forward": tokens / max(nfe, 1)}
-        if first.block_size is not None:
-            figures["block_size"] = first.block_size
-        if len(stats) == 1:
-            figures["steps_per_block"] = stats[0].steps_per_block
-        return figures
-
-    def body(self, choices: list[dict], events: list[EngineEvent]) -> dict[str, Any]:
-        return {**self.base(), "choices": choices, "usage": self.usage(events), "clover": self.clover(events)}
-
-
-# ---------------------------------------------------------------------- running a request
-async def _collect_all(request: Request, submissions, texts) -> tuple[list, list]:
-    """Every choice's `Message` and its (last event, tokens, logprobs), collected side by side."""
-    messages = [Message() for _ in submissions]
-    collected = await asyncio.gather(*(_collect(request, s, t, m.add)
-                                       for s, t, m in zip(submissions, texts, messages, strict=True)))
-    return messages, collected
-
-
-async def _collect(request: Request, submission: Submission, text: ChoiceText,
-                   sink) -> tuple[EngineEvent, list[int], list | None]:
-    """Every event of a whole (not streamed) response; a client that leaves cancels it. Returns the
-    last event, the response tokens read (up to a stop string), and the engine's log-probabilities
-    of those tokens (diffusion requests that asked for them; else None)."""
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, submission))
-    tokens: list[int] = []
-    logprobs: list | None = None
-    try:
-        async for event in submission.events():
-            if not text.stopped:
-                tokens.extend(event.tokens)
-                if event.logprobs is not None:
-                    logprobs = (logprobs or []) + event.logprobs
-            sink(text.push(event.tokens))
-            if text.stopped:
-                submission.cancel()
-            if event.finish is not None:
-                sink(text.finish())
-                return event, tokens, logprobs
-    finally:
-        watcher.cancel()
-        submission.cancel()
-
-
-async def _cancel_on_disconnect(request: Request, submission: Submission) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.2)
-    submission.cancel()
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def encoded():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(encoded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _stream(reply: _Reply, submissions: list[Submission], texts: list[ChoiceText], include_usage: bool, *,
-                  chat: bool, echoes: list[str] | None = None, scores: list[StreamedLogprobs] | None = None,
-                  echo_scores: list[dict | None] | None = None, run_scoring=None):
-    """The chunks of every choice, as each one's events come (choice i: index i). A choice the
-    engine failed or the shutdown ended ends the stream with an OpenAI error event.
-
-    scores: per choice, its log-probabilities (`logprobs` asked for). The events that came
-    meanwhile are read together, and the figures of the tokens read since the last chunk that
-    carried some go with the first chunk made of them, so a token's figures come with the chunk
-    that carries its text, or before it (text held back: a partial character, a possible stop
-    string or tag), never after; a causal mode's chunk waits for its scoring pass. echo_scores:
-    completions with echo, the prompt's figures (the echo chunk's). run_scoring: how a causal
-    mode's scoring pass runs (`Service.run_scoring`; by default on the server's thread pool)."""
-    run_scoring = run_scoring or run_in_threadpool
-    def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
-        if chat:
-            return {**reply.base("chat.completion.chunk"), "choices": [
-                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {**reply.base(), "choices": [{"index": index, "text": delta.get("content", ""), "logprobs": None,
-                                             "finish_reason": finish}]}
-
-    def pieces(index: int, deltas: list[dict]):
-        if chat:
-            return [chunk(index, delta) for delta in deltas]
-        text = "".join(d["content"] for d in deltas)
-        return [chunk(index, {"content": text})] if text else []
-
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, submission: Submission):
-        async for event in submission.events():
-            await queue.put((index, event))
-
-    async def with_figures(index: int, out: list[dict]) -> list[dict]:
-        """The figures due go with the first chunk of `out`."""
-        if scores is None or not out or not scores[index].due:
-            return out
-        one = scores[index]
-        try:
-            figures = await run_scoring(one.take) if one.causal else one.take()
-        except Exception as error:  # the stream has begun (200 sent): it ends with an error event
-            logger.exception("scoring a streamed response failed")
-            raise ApiError(500, f"internal error: scoring the response failed: {type(error).__name__}: {error}",
-                           None, "internal_error") from None
-        out[0]["choices"][0]["logprobs"] = figures
-        return out
-
-    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(submissions)]
-    finals: dict[int, EngineEvent] = {}
-    try:
-        for index in range(len(submissions)):
-            if chat:
-                yield chunk(index, {"role": "assistant", "content": ""})
-            elif echoes and (echoes[index] or echo_scores and echo_scores[index] and echo_scores[index]["tokens"]):
-                # a prompt whose text is "" (token ids that decode to nothing) still sends its figures
-                echoed = chunk(index, {"content": echoes[index]})
-                echoed["choices"][0]["logprobs"] = echo_scores[index] if echo_scores else None
-                yield echoed
-        while len(finals) < len(submissions):
-            batch = [await queue.get()]
-            while not queue.empty():  # what came while the last chunks were made and sent
-                batch.append(queue.get_nowait())
-            for index in dict.fromkeys(i for i, _ in batch):
-                text, out, final = texts[index], [], None
-                for event in (e for i, e in batch if i == index):
-                    if scores is not None and not text.stopped:  # as a whole response reads them
-                        scores[index].read(event.tokens, event.logprobs)
-                    out += pieces(index, text.push(event.tokens))
-                    if text.stopped:
-                        submissions[index].cancel()
-                    if event.finish is not None:
-                        final = event
-                        break
-                if not chat and len(out) > 1:  # a completion's text of the events together: one chunk
-                    out = [chunk(index, {"content": "".join(c["choices"][0]["text"] for c in out)})]
-                if final is None:
-                    for piece in await with_figures(index, out):
-                        yield piece
-                    continue
-                deltas = text.finish()
-                finals[index] = final
-                try:
-                    finish = reply.finish(final, text)
-                except ApiError as error:
-                    for piece in out:
-                        yield piece
-                    yield error.body()
-                    return
-                if chat:
-                    out += pieces(index, deltas) + [{**chunk(index, {}, finish), "clover": reply.clover([final])}]
-                else:
-                    words = "".join(c["choices"][0]["text"] for c in out) + "".join(d["content"] for d in deltas)
-                    out = [{**chunk(index, {"content": words}, finish), "clover": reply.clover([final])}]
-                for piece in await with_figures(index, out):
-                    yield piece
-        if include_usage:
-            kind = "chat.completion.chunk" if chat else None
-            yield {**reply.base(kind), "choices": [], "usage": reply.usage([finals[i] for i in sorted(finals)])}
-    except ApiError as error:
-        yield error.body()
-    except Exception as error:  # the 200 is sent: any failure ends the stream with an error event
-        logger.exception("a streamed response failed")
-        yield ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal_error").body()
-    finally:
-        for task in pumps:
-            task.cancel()
-        for submission in submissions:
-            submission.cancel()  # the client left, or the stream ended: the slots are freed either way
-
-
-# ---------------------------------------------------------------------- log-probabilities
-def _response_scores(service: Service, prepared: Prepared, tokens: list[int], engine_logprobs: list | None,
-                     top: int) -> TokenScores:
-    """The response tokens' scores: the engine's (diffusion: the deciding step's), or one causal
-    pass (autoregressive, self-speculative)."""
-    if prepared.request.mode in (Mode.DIFFUSION, "diffusion"):
-        rows = (engine_logprobs or [])[:len(tokens)]
-        return TokenScores(np.array([r[0] for r in rows], np.float32),
-                           np.array([r[1] for r in rows], np.int32).reshape(len(rows), top),
-                           np.array([r[2] for r in rows], np.float32).reshape(len(rows), top))
-    return service.response_scores(prepared, tokens, top)
-
-
-def _completion_scores(service: Service, prepared: Prepared, tokens: list[int], engine_logprobs: list | None,
-                       top: int, echo: bool) -> dict:
-    response = _response_scores(service, prepared, tokens, engine_logprobs, top)
-    prompt = service.prompt_scores(prepared.prompt, top) if echo else None
-    return completion_logprobs(service.tokenizer, prepared.prompt if echo else [], prompt, tokens, response)
-
-
-def _streamed_scores(service: Service, prepared: list[Prepared], sampling, chat: bool) -> list | None:
-    """Per choice of a stream that asked for log-probabilities, its `StreamedLogprobs` (else None)."""
-    if not sampling.logprobs:
-        return None
-
-    def one(choice: Prepared) -> StreamedLogprobs:
-        score = lambda tokens, rows: _response_scores(service, choice, tokens, rows, sampling.top_logprobs)
-        causal = choice.request.mode not in (Mode.DIFFUSION, "diffusion")
-        return StreamedLogprobs(service.tokenizer, chat, score, causal)
-
-    return [one(choice) for choice in prepared]
-
-
-def _echo_scores(service: Service, prepared: Prepared, top: int, scores: StreamedLogprobs) -> dict:
-    """The echoed prompt's figures (a stream's echo chunk); the response's offsets continue after it."""
-    out = completion_logprobs(service.tokenizer, prepared.prompt, service.prompt_scores(prepared.prompt, top), [],
-                              no_scores(top))
-    if out["tokens"]:
-        scores.offset = out["text_offset"][-1] + len(out["tokens"][-1])
-    return out
-
-
-def _echo_text(service: Service, prepared: Prepared) -> str:
-    if prepared.prompt_text is not None:
-        return prepared.prompt_text
-    return service.tokenizer.decode(prepared.prompt, skip_special_tokens=False)
-
-
-# ---------------------------------------------------------------------- helpers
-async def _read_json(request: Request, limit: int, timeout: float) -> Any:
-    """The JSON body, read up to `limit` bytes (413 beyond) within `timeout` seconds (408 after)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} (--max-body-bytes)")
-    body = bytearray()
-
-    async def read() -> None:
-        async for piece in request.stream():
-            body.extend(piece)
-            if len(body) > limit:
-                raise ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body-bytes)")
-
-    try:
-        await asyncio.wait_for(read(), timeout)
-    except TimeoutError:
-        raise ApiError(408, f"the request body was not complete within {timeout:g} s ({len(body)} bytes arrived)",
-                       None, "request_timeout") from None
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"the request body is not valid JSON: {error}") from None
+def _authorized(request: Request, api_key: str) -> bool:
+    """The key as OpenAI's clients send it (`Authorization: Bearer`) or Anthropic's (`x-api-key`)."""
+    given = request.headers.get("authorization", "")
+    keys = [given[7:]] if given.startswith("Bearer ") else []
+    keys += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+    return any(hmac.compare_digest(key.encode(), api_key.encode()) for key in keys)
 
 
 def _error(error: ApiError) -> JSONResponse:

@@ -54,6 +54,7 @@ class StopStrings:
         self.stops = [stop for stop in stops if stop]
         self.held = ""
         self.stopped = False
+        self.found: str | None = None  # the stop string the text was cut at (Anthropic's stop_sequence)
 
     def push(self, text: str) -> str:
         """More text -> what can be sent now; after a stop string, nothing more."""
@@ -63,6 +64,7 @@ class StopStrings:
         found = [(text.find(stop), stop) for stop in self.stops if stop in text]
         if found:
             self.stopped, self.held = True, ""
+            self.found = min(found)[1]
             return text[:min(found)[0]]
         keep = self._partial(text)
         self.held = text[len(text) - keep:] if keep else ""

@@ -293,8 +293,8 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
     from openai.lib.streaming.chat._completions import ChatCompletionStreamState
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    from clover_jax.api.serving.app import _Reply, _response_scores, _stream
     from clover_jax.api.serving.logprobs import StreamedLogprobs, chat_logprobs
+    from clover_jax.api.serving.pipeline import Reply, response_scores, stream
     from clover_jax.api.serving.protocol import Sampling
     from clover_jax.api.serving.responses import ChoiceText, Message
     from clover_jax.api.serving.service import Prepared
@@ -328,15 +328,15 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
         "choices": [{"index": 0, "message": whole.as_openai(), "finish_reason": "tool_calls"}]})
 
     script = Script(ids, [])
-    figures = chat_logprobs(CharTokenizer(), ids, _response_scores(None, prepared, ids, script.items[0].logprobs, 2))
+    figures = chat_logprobs(CharTokenizer(), ids, response_scores(None, prepared, ids, script.items[0].logprobs, 2))
 
     def broken(tokens, rows):
         raise RuntimeError("no memory left")
 
-    async def chunks(cuts, logprobs, score=lambda tokens, rows: _response_scores(None, prepared, tokens, rows, 2)):
-        reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
+    async def chunks(cuts, logprobs, score=lambda tokens, rows: response_scores(None, prepared, tokens, rows, 2)):
+        reply = Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
         scores = [StreamedLogprobs(CharTokenizer(), True, score, causal=score is broken)] if logprobs else None
-        return [chunk async for chunk in _stream(reply, [Script(ids, cuts)], [ChoiceText(CharTokenizer(), [], False,
+        return [chunk async for chunk in stream(reply, [Script(ids, cuts)], [ChoiceText(CharTokenizer(), [], False,
                                                                                           TOOLS)], True, chat=True,
                                                  scores=scores)]
 
@@ -365,8 +365,8 @@ def test_injected_reasoning_and_tool_calls_stream_as_openai_chunks():
             raise RuntimeError("parser broke")
 
     async def broken_text_chunks():
-        reply = _Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
-        return [chunk async for chunk in _stream(reply, [Script(ids, [5])], [BrokenText(CharTokenizer(), [], False,
+        reply = Reply("chatcmpl", "chat.completion", "m", prepared, Sampling())
+        return [chunk async for chunk in stream(reply, [Script(ids, [5])], [BrokenText(CharTokenizer(), [], False,
                                                                                         TOOLS)], True, chat=True)]
 
     failed = asyncio.run(broken_text_chunks())
