@@ -33,6 +33,7 @@ from clover_jax.api.serving.pipeline import (
     collect_all,
     completion_scores,
     echo_text,
+    echoed_scores,
     read_json,
     response_scores,
     sse,
@@ -124,7 +125,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         if chat.sampling.stream:
             scores = streamed_scores(service, prepared, chat.sampling, chat=True)
             return sse(stream(reply, submissions, texts, chat.sampling.include_usage, chat=True, scores=scores,
-                                run_scoring=service.run_scoring))
+                              run_scoring=service.run_scoring))
         messages, collected = await collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,
@@ -150,17 +151,17 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         reply = Reply("cmpl", "text_completion", service.name, prepared, sampling)
         if sampling.stream:
             scores = streamed_scores(service, prepared, sampling, chat=False)
-            echo_scores = None
+            prompt_scores = None
             if sampling.logprobs and sampling.echo:
                 try:
-                    echo_scores = [await service.run_scoring(echo_scores, service, one, sampling.top_logprobs,
-                                                           scores[i]) for i, one in enumerate(prepared)]
+                    prompt_scores = [await service.run_scoring(echoed_scores, service, one, sampling.top_logprobs,
+                                                               scores[i]) for i, one in enumerate(prepared)]
                 except BaseException:  # no stream will end the submitted requests: free their slots here
                     for submission in submissions:
                         submission.cancel()
                     raise
             return sse(stream(reply, submissions, texts, sampling.include_usage, chat=False, echoes=echoes,
-                                scores=scores, echo_scores=echo_scores, run_scoring=service.run_scoring))
+                              scores=scores, echo_scores=prompt_scores, run_scoring=service.run_scoring))
         messages, collected = await collect_all(request, submissions, texts)
         choices = []
         for index, (message, (event, tokens, logprobs), text) in enumerate(zip(messages, collected, texts,

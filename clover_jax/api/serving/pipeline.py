@@ -283,7 +283,7 @@ def streamed_scores(service: Service, prepared: list[Prepared], sampling, chat: 
     return [one(choice) for choice in prepared]
 
 
-def echo_scores(service: Service, prepared: Prepared, top: int, scores: StreamedLogprobs) -> dict:
+def echoed_scores(service: Service, prepared: Prepared, top: int, scores: StreamedLogprobs) -> dict:
     """The echoed prompt's figures (a stream's echo chunk); the response's offsets continue after it."""
     out = completion_logprobs(service.tokenizer, prepared.prompt, service.prompt_scores(prepared.prompt, top), [],
                               no_scores(top))
