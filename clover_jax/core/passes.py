@@ -109,6 +109,11 @@ class ModelPasses(abc.ABC):
         names; state: the `PagedState` after every row's K/V is written and every writing causal
         segment has advanced its slot's GDN state."""
 
+    @property
+    @abc.abstractmethod
+    def platform(self) -> str:
+        """Where the passes run: "cpu" | "gpu" | "tpu" (what the kernels were chosen for)."""
+
     @abc.abstractmethod
     def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         """The LM head: hidden states [..., hidden] (after the final norm) -> float32 [..., vocab]."""

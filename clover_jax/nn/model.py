@@ -323,6 +323,10 @@ class TransformerPasses(ModelPasses):
         return self.module.apply({"params": params}, input_ids[None], state, coreset=coreset,
                                  coreset_top_p=coreset_top_p, ragged=batch)
 
+    @property
+    def platform(self) -> str:
+        return self.module.kernels.platform
+
     def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         config = self.module.config
         head = params["embed_tokens"]["embedding"] if config.tie_word_embeddings else params["lm_head"]

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.core.passes import ModelPasses
-from clover_jax.core.ragged import PagedBatch, PagedState
+from clover_jax.core.ragged import COMPACT_PLATFORMS, PagedBatch, PagedState, on_live, slots_first
 from decoding.autoregressive import next_tokens
 from decoding.block_loop import StepRules, apply_step, denoising_step, frontier_choice, propose
 from decoding.controls import Choice, Controls, TokenIds, choose, per_sequence_axes, process_batch
@@ -82,6 +82,31 @@ def _where_slots(active: jax.Array, new, old):
     def pick(a, b):
         return jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     return jax.tree_util.tree_map(pick, new, old)
+
+
+def _on_active(passes: ModelPasses, active: jax.Array, decide, slots, *per_slot):
+    """`decide(slots, *per_slot)` -> (slots, report), every leaf with a leading slot axis [S],
+    run where the platform compacts (a CPU) on the `active` slots alone when one is (`on_live`:
+    widths 1 and S in one program). A lone request's step then applies the LM head and its
+    controls to its own rows rather than to every slot's (on the medium benchmark model, 16 slots:
+    most of the step). Each slot's decision reads its own rows alone, so the active slots' results
+    equal the full width's; the other slots keep their structure and their report entries are
+    zeros (the host reads the active slots' alone)."""
+    size = active.shape[0]
+    order = slots_first(active)
+
+    def at_width(width: int):
+        if width == size:
+            return decide(slots, *per_slot)
+        index = order[:width]
+        take = lambda tree: jax.tree_util.tree_map(lambda leaf: leaf[index], tree)
+        part, report = decide(take(slots), *take(per_slot))
+        after = jax.tree_util.tree_map(lambda full, leaf: full.at[index].set(leaf), slots, part)
+        widened = jax.tree_util.tree_map(
+            lambda leaf: jnp.zeros((size,) + leaf.shape[1:], leaf.dtype).at[index].set(leaf), report)
+        return after, widened
+
+    return on_live(jnp.sum(active, dtype=jnp.int32), size, at_width, compact=passes.platform in COMPACT_PLATFORMS)
 
 
 class DiffusionReport(NamedTuple):
@@ -149,11 +174,13 @@ def decide_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hi
     the pass's; the LM head is applied here, to those rows). `committed` (bool [S]):
     slots whose pass committed their closed block — they start their next block first, all masks.
     sample: some active slot samples; scores: some asks for log-probabilities."""
-    progress = _fresh_progress(slots, active, committed, ids, block_size)
-    block_logits = passes.head_logits(params, hidden[:, :block_size])                  # [S, B, vocab]
-    after, details = denoising_step(progress, slots.facts, block_logits, _step_rules(slots, ids, sample))
-    return _kept(passes, params, slots, hidden, active, before=progress, progress=after, details=details, ids=ids,
-                 size=block_size, scores=scores)
+    def decide(slots, hidden, active, committed):
+        progress = _fresh_progress(slots, active, committed, ids, block_size)
+        block_logits = passes.head_logits(params, hidden[:, :block_size])              # [S, B, vocab]
+        after, details = denoising_step(progress, slots.facts, block_logits, _step_rules(slots, ids, sample))
+        return _kept(passes, params, slots, hidden, active, before=progress, progress=after, details=details,
+                     ids=ids, size=block_size, scores=scores)
+    return _on_active(passes, active, decide, slots, hidden, active, committed)
 
 
 # ---------------------------------------------------------------------- a denoising step under grammars
@@ -181,21 +208,24 @@ def propose_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, h
     """`decide_diffusion`'s step up to the schedule's proposal (the committed slots' fresh blocks
     are kept in `slots`); `apply_diffusion` applies it as the host vetted it. frontier: int32 [S],
     the position whose candidate `allowed` (bool [S, V]) masks (any value where it is all ones)."""
-    progress = _fresh_progress(slots, active, committed, ids, block_size)
-    block_logits = passes.head_logits(params, hidden[:, :block_size])
-    rules = _step_rules(slots, ids, sample, fill_at_cap=False)
-    processed, keys, choice, decision = propose(progress, slots.facts, block_logits, rules)
-    frontier_token = frontier_choice(processed, choice, keys, rules, frontier=frontier, allowed=allowed)
-    held = slots.progress
-    widen = lambda full, part: full.at[:, :block_size].set(part)
-    fresh = held._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
-                          fixed=widen(held.fixed, progress.fixed), block_index=progress.block_index,
-                          step=progress.step, post_fill=progress.post_fill, open=progress.open)
-    slots = slots._replace(progress=_where_slots(active, fresh, held))
-    return slots, DiffusionProposal(
-        block=progress.block, decided=progress.decided, fixed=progress.fixed,
-        capped=progress.step + 1 >= slots.steps_cap, candidates=choice.token, after=decision.decided,
-        edit=decision.edit, keep_open=jnp.broadcast_to(decision.keep_open, active.shape), frontier_token=frontier_token)
+    def propose_step(slots, hidden, active, committed, frontier, allowed):
+        progress = _fresh_progress(slots, active, committed, ids, block_size)
+        block_logits = passes.head_logits(params, hidden[:, :block_size])
+        rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+        processed, keys, choice, decision = propose(progress, slots.facts, block_logits, rules)
+        frontier_token = frontier_choice(processed, choice, keys, rules, frontier=frontier, allowed=allowed)
+        held = slots.progress
+        widen = lambda full, part: full.at[:, :block_size].set(part)
+        fresh = held._replace(block=widen(held.block, progress.block), decided=widen(held.decided, progress.decided),
+                              fixed=widen(held.fixed, progress.fixed), block_index=progress.block_index,
+                              step=progress.step, post_fill=progress.post_fill, open=progress.open)
+        slots = slots._replace(progress=_where_slots(active, fresh, held))
+        return slots, DiffusionProposal(
+            block=progress.block, decided=progress.decided, fixed=progress.fixed,
+            capped=progress.step + 1 >= slots.steps_cap, candidates=choice.token, after=decision.decided,
+            edit=decision.edit, keep_open=jnp.broadcast_to(decision.keep_open, active.shape),
+            frontier_token=frontier_token)
+    return _on_active(passes, active, propose_step, slots, hidden, active, committed, frontier, allowed)
 
 
 @functools.partial(jax.jit, static_argnames=("passes", "block_size", "sample", "scores"), donate_argnames=("slots",))
@@ -206,14 +236,16 @@ def apply_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hid
     vetted), the decided set `after` and the edits `edit` (bool [S, B]), `keep_open` (bool [S]). No
     step fills every mask at the cap: the host's `after` does (for a slot without a grammar, as
     `decide_diffusion` would)."""
-    progress = _fresh_progress(slots, active, jnp.zeros_like(active), ids, block_size)
-    rules = _step_rules(slots, ids, sample, fill_at_cap=False)
-    choice = Choice(token=tokens, confidence=jnp.zeros(tokens.shape, jnp.float32),
-                    margin=jnp.zeros(tokens.shape, jnp.float32), entropy=jnp.zeros(tokens.shape, jnp.float32))
-    decision = Decision(decided=after, edit=edit, keep_open=keep_open)
-    stepped, details = apply_step(progress, slots.facts, choice, decision, rules)
-    return _kept(passes, params, slots, hidden, active, before=progress, progress=stepped, details=details, ids=ids,
-                 size=block_size, scores=scores)
+    def apply(slots, hidden, active, tokens, after, edit, keep_open):
+        progress = _fresh_progress(slots, active, jnp.zeros_like(active), ids, block_size)
+        rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+        zeros = jnp.zeros(tokens.shape, jnp.float32)
+        choice = Choice(token=tokens, confidence=zeros, margin=zeros, entropy=zeros)
+        decision = Decision(decided=after, edit=edit, keep_open=keep_open)
+        stepped, details = apply_step(progress, slots.facts, choice, decision, rules)
+        return _kept(passes, params, slots, hidden, active, before=progress, progress=stepped, details=details,
+                     ids=ids, size=block_size, scores=scores)
+    return _on_active(passes, active, apply, slots, hidden, active, tokens, after, edit, keep_open)
 
 
 def _scored(before, facts, logits: jax.Array, controls: Controls, ids: TokenIds, details,
@@ -244,17 +276,20 @@ def decide_autoregressive(passes: ModelPasses, params: Any, slots: Autoregressiv
     """The next token of each `active` slot (bool [S]) from its logit row 0 (the last causal row
     of its pass: the prompt's last, or its latest token's). allowed: bool [S, V], each slot's
     grammar's tokens (logits outside it are -inf before the controls), or None (no slot has one)."""
-    controls = slots.controls
-    logits = passes.head_logits(params, hidden[:, 0])
-    if allowed is not None:
-        logits = jnp.where(allowed, logits, -jnp.inf)
-    token = next_tokens(logits=logits, counts=slots.counts, index=slots.generated,
-                        prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls, ids=ids,
-                        choose_rows=per_slot_choice(controls, slots.sample, sample))
-    generated = slots.generated + active
-    finished = active & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1) | (generated >= slots.max_new_tokens))
-    counts = slots.counts.at[jnp.arange(token.shape[0]), token].add(active.astype(jnp.int32))
-    return slots._replace(counts=counts, generated=generated), AutoregressiveReport(token, finished)
+    def decide(slots, hidden, active, allowed):
+        controls = slots.controls
+        logits = passes.head_logits(params, hidden[:, 0])
+        if allowed is not None:
+            logits = jnp.where(allowed, logits, -jnp.inf)
+        token = next_tokens(logits=logits, counts=slots.counts, index=slots.generated,
+                            prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls,
+                            ids=ids, choose_rows=per_slot_choice(controls, slots.sample, sample))
+        generated = slots.generated + active
+        finished = active & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)
+                             | (generated >= slots.max_new_tokens))
+        counts = slots.counts.at[jnp.arange(token.shape[0]), token].add(active.astype(jnp.int32))
+        return slots._replace(counts=counts, generated=generated), AutoregressiveReport(token, finished)
+    return _on_active(passes, active, decide, slots, hidden, active, allowed)
 
 
 @functools.partial(jax.jit, static_argnames=("passes", "block_size"), donate_argnames=("slots",))
@@ -262,13 +297,15 @@ def decide_drafts(passes: ModelPasses, params: Any, slots: SpeculativeSlots, hid
                   ids: TokenIds, *, block_size: int) -> tuple[SpeculativeSlots, jax.Array]:
     """A self-speculative round's drafts (int32 [S, B]) for the `active` slots, from their logit
     rows: row 0 the pending token's (kept for the round's acceptance), rows 1..B the drafted block's."""
-    logits = passes.head_logits(params, hidden[:, :block_size + 1])
-    drafts = draft_tokens(logits[:, 1:], slots.counts, slots.lengths, slots.prompt_thinking,
-                          slots.controls, ids)
-    held = slots.drafts
-    new = slots._replace(drafts=held.at[:, :block_size].set(drafts), pending_logits=logits[:, 0])
-    slots = _where_slots(active, new, slots)
-    return slots, slots.drafts[:, :block_size]
+    def decide(slots, hidden, active):
+        logits = passes.head_logits(params, hidden[:, :block_size + 1])
+        drafts = draft_tokens(logits[:, 1:], slots.counts, slots.lengths, slots.prompt_thinking,
+                              slots.controls, ids)
+        held = slots.drafts
+        new = slots._replace(drafts=held.at[:, :block_size].set(drafts), pending_logits=logits[:, 0])
+        slots = _where_slots(active, new, slots)
+        return slots, slots.drafts[:, :block_size]
+    return _on_active(passes, active, decide, slots, hidden, active)
 
 
 class VerifiedReport(NamedTuple):
@@ -286,12 +323,14 @@ def decide_verified(passes: ModelPasses, params: Any, slots: SpeculativeSlots, h
     0..B-1) after the pending token's (kept by `decide_drafts`). Under grammars: allowed (bool
     [S, B+1, V], row j the tokens allowed after the first j drafts) and draft_limit (int32 [S], the
     drafts each grammar takes), or None."""
-    logits = passes.head_logits(params, hidden[:, :block_size])
-    rows = jnp.concatenate([slots.pending_logits[:, None], logits], axis=1)
-    if allowed is not None:
-        rows = jnp.where(allowed, rows, -jnp.inf)
-    out = accept_drafts(rows, slots.drafts[:, :block_size], slots.counts, slots.lengths, slots.prompt_thinking,
-                        slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active,
-                        draft_limit=draft_limit)
-    slots = _where_slots(active, slots._replace(counts=out.counts, lengths=out.lengths), slots)
-    return slots, VerifiedReport(out.choices, out.emitted, out.finished)
+    def decide(slots, hidden, active, allowed, draft_limit):
+        logits = passes.head_logits(params, hidden[:, :block_size])
+        rows = jnp.concatenate([slots.pending_logits[:, None], logits], axis=1)
+        if allowed is not None:
+            rows = jnp.where(allowed, rows, -jnp.inf)
+        out = accept_drafts(rows, slots.drafts[:, :block_size], slots.counts, slots.lengths, slots.prompt_thinking,
+                            slots.controls, ids, max_new_tokens=slots.max_new_tokens, active=active,
+                            draft_limit=draft_limit)
+        slots = _where_slots(active, slots._replace(counts=out.counts, lengths=out.lengths), slots)
+        return slots, VerifiedReport(out.choices, out.emitted, out.finished)
+    return _on_active(passes, active, decide, slots, hidden, active, allowed, draft_limit)
