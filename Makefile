@@ -9,7 +9,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 DEMO_PROMPT ?= sort 3 1 4 1 5 9 2 6
 DEMO_FLAGS ?= --show-steps
 
-.PHONY: test venv demo demo-train bench bench-load bench-serving clean
+.PHONY: test venv agent-clis demo demo-train bench bench-load bench-serving clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,26 @@ $(COMPILERS_STAMP): $(STAMP)
 
 venv: $(STAMP) $(COMPILERS_STAMP)
 
+# Codex CLI and Claude Code, pinned, for the tests that run them against the server
+# (tests/clover_jax/api/serving/test_agent_clis.py; docs/serving.md, Agents). npm's own wrappers land in
+# $(AGENT_CLIS)/node_modules/.bin; Codex's npm package brings its native binary for this platform. The stamp
+# names both versions, so that a new pin installs again.
+CODEX_VERSION := 0.171.0
+CLAUDE_CODE_VERSION := 2.0.77
+AGENT_CLIS := $(VENV)/agent-clis
+AGENT_CLIS_STAMP := $(AGENT_CLIS)/.installed-codex-$(CODEX_VERSION)-claude-code-$(CLAUDE_CODE_VERSION)
+$(AGENT_CLIS_STAMP): | $(BIN)/python
+	rm -f $(AGENT_CLIS)/.installed-*
+	npm install --prefix $(AGENT_CLIS) --save-exact --no-audit --no-fund --loglevel=error \
+		@openai/codex@$(CODEX_VERSION) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	touch $(AGENT_CLIS_STAMP)
+
+agent-clis: $(AGENT_CLIS_STAMP)
+
 # One pytest worker per core (2 on CI); each test file runs whole on one worker, so its module fixtures are built once.
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
-test: $(STAMP) $(COMPILERS_STAMP)
+test: $(STAMP) $(COMPILERS_STAMP) $(AGENT_CLIS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 

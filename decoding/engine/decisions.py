@@ -5,7 +5,8 @@ shape is the padded token count alone. It returns the final hidden states of eac
 rows ([S, W, hidden]: small, and of one shape whatever the pass). The decisions then apply the LM
 head to the rows they read (a denoising step of block size B: each slot's first B) and turn the
 logits into tokens, each with the function `generate`'s loops run, over every slot of the engine at
-once and masked to the slots the decision is for:
+once and masked to the slots the decision is for (on a CPU, over the decision's slots alone when
+it has one: `_on_active`):
 
 | program                 | static             | what it decides                                        |
 |-------------------------|--------------------|--------------------------------------------------------|
