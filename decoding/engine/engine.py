@@ -581,7 +581,9 @@ class Engine:
         context, slots = self.context, self.shapes.slots
         mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
         deciding = [t for t in ran if t.ran_decode]
-        jobs = []  # (report key, slot structure, program, its arguments after the structure, static arguments)
+        # (report key, slot structure, program, its arguments after the structure (a function: a grammar's
+        # masks are read inside the mode's try), static arguments)
+        jobs = []
         for size in sorted({t.block_size for t in deciding if t.mode == Mode.DIFFUSION}):
             chosen = [t for t in deciding if t.mode == Mode.DIFFUSION and t.block_size == size]
             program = decisions.decide_diffusion
@@ -589,14 +591,15 @@ class Engine:
                 program = functools.partial(grammars.diffusion_step, chosen, mask_id=int(context.ids.mask),
                                             vocab=context.vocab)
             jobs.append((f"diffusion/{size}", "diffusion", program,
-                         (hidden, mask_of(chosen), mask_of([t for t in chosen if t.commits]), context.ids),
+                         lambda chosen=chosen: (hidden, mask_of(chosen), mask_of([t for t in chosen if t.commits]),
+                                                context.ids),
                          dict(block_size=size, sample=any(t.prepared.config.do_sample for t in chosen),
                               scores=any(t.prepared.logprobs is not None for t in chosen))))
         chosen = [t for t in deciding if t.mode == Mode.AUTOREGRESSIVE]
         if chosen:
             jobs.append(("autoregressive", "autoregressive", decisions.decide_autoregressive,
-                         (hidden, mask_of(chosen), context.ids,
-                          *grammars.next_token_masks(chosen, slots, context.vocab)),
+                         lambda chosen=chosen: (hidden, mask_of(chosen), context.ids,
+                                                *grammars.next_token_masks(chosen, slots, context.vocab)),
                          dict(sample=any(t.prepared.config.do_sample for t in chosen))))
         for verifying in (False, True):
             for size in sorted({t.block_size for t in deciding if t.mode == Mode.SELF_SPECULATIVE}):
@@ -604,18 +607,20 @@ class Engine:
                           and t.verifying == verifying]
                 if chosen and verifying:
                     jobs.append((f"verified/{size}", "speculative", decisions.decide_verified,
-                                 (hidden, mask_of(chosen), context.ids,
-                                  *grammars.verification_masks(chosen, slots, context.vocab, size)),
+                                 lambda chosen=chosen, size=size: (
+                                     hidden, mask_of(chosen), context.ids,
+                                     *grammars.verification_masks(chosen, slots, context.vocab, size)),
                                  dict(block_size=size)))
                 elif chosen:
                     jobs.append((f"drafts/{size}", "speculative", decisions.decide_drafts,
-                                 (hidden, mask_of(chosen), context.ids), dict(block_size=size)))
+                                 lambda chosen=chosen: (hidden, mask_of(chosen), context.ids),
+                                 dict(block_size=size)))
         reports, failed = {}, {}
         for key, field, program, args, static in jobs:
             if field in failed:
                 continue
             try:
-                structure, report = program(context.passes, context.params, getattr(self.slots, field), *args,
+                structure, report = program(context.passes, context.params, getattr(self.slots, field), *args(),
                                             **static)
                 self.slots = self.slots._replace(**{field: structure})
                 reports[key] = jax.device_get(report)

@@ -51,3 +51,18 @@ def test_a_grammar_that_does_not_compile_is_refused_at_submission(engine):
     with pytest.raises(FieldError, match="the regex cannot be compiled") as caught:
         engine.submit(EngineRequest([7, 8], overrides={"constraint": {"regex": "[0-9"}}), lambda event: None)
     assert caught.value.field == "constraint" and engine.running() == 0
+
+
+def test_a_grammar_failing_mid_decoding_fails_its_own_mode_alone(engine, bundled, prompts, monkeypatch):  # noqa: F811
+    from decoding.engine import grammars
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the grammar engine failed")
+
+    monkeypatch.setattr(grammars, "next_token_masks", broken)
+    requests = [EngineRequest(prompts[0], "autoregressive", overrides=CONSTRAINED), EngineRequest(prompts[1])]
+    failed, decoded = engine.run(requests, timeout=900)
+    assert "the grammar engine failed" in failed.error
+    tokens, nfe, steps = alone(bundled, requests[1])
+    assert decoded.error is None and (decoded.tokens, decoded.stats.nfe) == (tokens, nfe)
+    assert engine.running() == 0
