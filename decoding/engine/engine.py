@@ -164,10 +164,11 @@ class Engine:
     as wide as the widest, so a pass's block work follows it: `clover-jax serve` adds 16, 32 and 64);
     kv_cache_bytes: the K/V page pool's size (default `shapes.EngineShapes.pool_pages`'s rule);
     page_size: positions per page (default 16, or what divides the prefix cache's grid);
-    balance_prefill: while requests decode, a pass takes at most as many prompt tokens as their
-    rows (at least `BALANCED_PREFILL_FLOOR`), rather than the whole `prefill_budget`. Default: on a
-    CPU, where a pass's time follows its rows; not on a TPU or GPU, where a pass of a few hundred
-    rows is bound by reading the weights and prompt rows ride nearly free.
+    balance_prefill: while requests decode, a pass takes at most the prompt tokens that fill the
+    token padding of twice their rows (at least `BALANCED_PREFILL_FLOOR`), rather than the whole
+    `prefill_budget`. Default: on a CPU, where a pass's time follows its rows; not on a TPU or
+    GPU, where a pass of a few hundred rows is bound by reading the weights and prompt rows ride
+    nearly free.
     """
 
     def __init__(self, model, generation_config=None, max_running: int = 8, max_queue: int = 64,
@@ -514,9 +515,7 @@ class Engine:
         decoding_rows = self.shapes.max_tokens - budget
         prefill = self.prefill_budget
         if decoding_rows and self.balance_prefill:
-            # beside running requests, a prompt takes about as many rows as they do: their step costs
-            # at most about twice a step without it where a pass's cost follows its rows (a CPU)
-            prefill = min(prefill, max(BALANCED_PREFILL_FLOOR, decoding_rows))
+            prefill = min(prefill, self.shapes.balanced_prefill(decoding_rows, floor=BALANCED_PREFILL_FLOOR))
         for tracked in held:
             # a request with no prompt rows left (a short diffusion prompt, a whole prefix from the
             # cache) starts decoding beside a long prefill that has taken the prefill budget

@@ -114,6 +114,14 @@ class EngineShapes:
                 return padding
         raise ValueError(f"a pass of {rows} tokens exceeds the engine's largest ({self.paddings[-1]})")
 
+    def balanced_prefill(self, decoding_rows: int, *, floor: int) -> int:
+        """Prompt rows a pass takes beside `decoding_rows` rows of running requests where a pass
+        costs about its padded rows (a CPU): the rest of the padding that twice their rows pad to
+        (at least `floor`), so their step costs at most about twice a step without the prompt and
+        the padding rows the pass pays for anyway carry prompt."""
+        doubled = self.padding_for(min(2 * decoding_rows, self.paddings[-1]))
+        return max(floor, doubled - decoding_rows)
+
     @classmethod
     def make(cls, model, *, max_running: int, max_context: int, block_sizes: tuple[int, ...], prefill_budget: int,
              kv_cache_bytes: int | None, page_size: int | None, grid: int | None,

@@ -71,6 +71,21 @@ def test_the_served_set_depends_on_the_engines_shapes_alone():
     assert forwards == {h200["forward"]}
 
 
+def test_a_balanced_prefill_fills_the_padding_of_twice_the_running_rows():
+    from decoding.engine.shapes import EngineShapes, token_paddings
+
+    paddings = token_paddings(512)                                    # 16, 24, 32, 48, ..., 384, 512
+    shapes = EngineShapes(slots=9, max_context=4096, block_sizes=(16,), page_size=16, pages_per_slot=256,
+                          num_pages=2305, prefill_budget=512, max_tokens=512, paddings=paddings)
+    # 8 requests' blocks and commits (136 rows): twice that pads to 384, so the prompt takes 248 rows
+    # (it took 136, and the pass padded 272 rows to 384 all the same)
+    assert shapes.balanced_prefill(136, floor=64) == 248
+    for rows in range(1, 512):
+        prompt = shapes.balanced_prefill(rows, floor=64)
+        assert prompt >= 64 and (rows + prompt <= shapes.padding_for(min(2 * rows, 512)) or prompt == 64)
+        assert rows + prompt >= min(2 * rows, 512) or prompt == 64
+
+
 def test_precompiling_stops_with_a_clear_error_before_the_process_runs_out_of_memory_mappings(model, monkeypatch):
     """XLA on a CPU crashes (SIGSEGV, seen: the bundled model's 184-program set reached Linux's 65,530
     mappings) once compiled programs hold more memory mappings than vm.max_map_count: precompiling a
