@@ -14,8 +14,9 @@ server's resident memory (RSS), then RSS again after glibc's free heap pages are
 engine's jitted functions', and every executable the process compiled or loaded, eager operations
 included), the live JAX arrays (count and bytes), the Python heap (`--tracemalloc`), and the prefix
 cache's bytes, entries, hits and evictions. Then every compiled program is freed
-(`jax.clear_caches()`) and RSS read once more: the memory without the programs (the engine loads
-them back from the persistent compilation cache as requests need them; `--keep-programs` skips this).
+(`jax.clear_caches()`) and RSS read once more: the memory without the programs; then the engine
+precompiles its set again, from the persistent compilation cache, as a restarted server would
+(`--keep-programs` skips both).
 
 The server precompiles its set first (`Engine.precompile`: every mode at block sizes 16 and 32),
 so no request should meet a program it did not compile: the engine's shapes are fixed for its life
@@ -128,8 +129,9 @@ def rss_bytes() -> int:
 def reading(service, compiles: CompileCounter, outcomes: dict, requests: int, started: float,
             drop_programs: bool) -> dict:
     """Memory, programs and cache after a phase (the engine idle, the garbage collected first);
-    drop_programs: then free every compiled program and read the memory without them (the engine
-    loads them again from the persistent compilation cache as requests need them)."""
+    drop_programs: then free every compiled program, read the memory without them, and precompile
+    the set again (from the persistent compilation cache: seconds), as a restarted server would, so
+    that a program a later phase compiles is still one outside the precompiled set."""
     import tracemalloc
 
     import jax
@@ -148,6 +150,7 @@ def reading(service, compiles: CompileCounter, outcomes: dict, requests: int, st
         jax.clear_caches()
         gc.collect()
         without = rss_bytes() if malloc_trim() else None
+        service.engine.precompile(MODES, BLOCK_SIZES)
     return {"requests": requests, "outcomes": outcomes, "seconds": round(time.perf_counter() - started, 1),
             "rss_bytes": rss, "rss_trimmed_bytes": trimmed, "rss_without_programs_bytes": without,
             "programs": sum(programs.values()), "programs_by_function": programs, "process_compiles": compiles.total,

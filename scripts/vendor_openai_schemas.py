@@ -4,10 +4,11 @@ against, with the commit it came from.
 
     python scripts/vendor_openai_schemas.py OPENAPI_JSON COMMIT OUT_JSON
 
-Kept: the chat completion response, its stream chunk and the completion response, with every
-schema they reference. The description is OpenAPI 3.1 but still writes `nullable: true` in places
-(an OpenAPI 3.0 keyword that JSON Schema ignores); each such schema becomes `anyOf: [it, null]`,
-which is what the keyword means.
+Kept: the chat completion response, its stream chunk, the completion response, the Responses
+API's response object and its stream events, with every schema they reference; their prose
+(`description` and `title` strings, which no validator reads) is left out. The description is
+OpenAPI 3.1 but still writes `nullable: true` in places (an OpenAPI 3.0 keyword that JSON Schema
+ignores); each such schema becomes `anyOf: [it, null]`, which is what the keyword means.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import json
 import sys
 
-ROOTS = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse")
+ROOTS = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse", "Response",
+         "ResponseStreamEvent")
+PROSE = ("description", "title")
 PREFIX = "#/components/schemas/"
 
 
@@ -30,12 +33,13 @@ def _references(node) -> set[str]:
     return set()
 
 
-def _without_nullable(node):
+def _for_validation(node):
     if isinstance(node, list):
-        return [_without_nullable(value) for value in node]
+        return [_for_validation(value) for value in node]
     if not isinstance(node, dict):
         return node
-    node = {key: _without_nullable(value) for key, value in node.items()}
+    node = {key: _for_validation(value) for key, value in node.items()
+            if not (key in PROSE and isinstance(value, str))}
     if node.pop("nullable", False) is True:
         return {"anyOf": [node, {"type": "null"}]}
     return node
@@ -51,7 +55,7 @@ def vendor(description: dict, commit: str) -> dict:
             todo += sorted(_references(schemas[name]))
     return {"source": "https://github.com/openai/openai-openapi/blob/" + commit + "/openapi.json",
             "commit": commit, "openapi": description["openapi"], "license": "MIT (OpenAI)",
-            "components": {"schemas": {name: _without_nullable(kept[name]) for name in sorted(kept)}}}
+            "components": {"schemas": {name: _for_validation(kept[name]) for name in sorted(kept)}}}
 
 
 def main() -> None:

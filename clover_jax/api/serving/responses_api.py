@@ -76,10 +76,10 @@ class _Run:
     def body(self, status: str, event: EngineEvent | None = None, tokens: list[int] | None = None) -> dict:
         body = {"id": self.id, "object": "response", "created_at": self.reply.created, "status": status,
                 "error": None, "incomplete_details": None, "model": self.service.name, "output": self.output.items,
-                "usage": None, "background": False, "service_tier": "default", **self.asked.echo}
+                "background": False, "service_tier": "default", **self.asked.echo}
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
-        if event is not None:
+        if event is not None:  # OpenAI's schema has no null usage: none until the response ends
             body["usage"] = self.usage(event, tokens or [])
             body["clover"] = self.reply.clover([event])
             body["completed_at"] = int(time.time())

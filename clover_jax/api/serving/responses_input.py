@@ -107,7 +107,10 @@ def read_responses(body: Any, previous_items: Callable[[str], list[dict]]) -> Re
             "text": {"format": text_config.get("format") or {"type": "text"}},
             "tool_choice": tool_choice if tool_choice is not None else "auto", "tools": echoed_tools,
             "truncation": "disabled", "metadata": fields.data.get("metadata") or {},
-            **{name: fields.data.get(name) for name in ("user", "prompt_cache_key", "safety_identifier")}}
+            "prompt_cache_key": fields.data.get("prompt_cache_key"),
+            "safety_identifier": fields.data.get("safety_identifier"),
+            # OpenAI's schema types `user` as a string (deprecated, never null): echoed when sent
+            **({"user": fields.data["user"]} if fields.data.get("user") is not None else {})}
     return ResponsesRequest(chat, items, echo, store, stream, positions)
 
 

@@ -8,6 +8,7 @@ The translation and the store are checked alone too."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal
 
 import httpx
@@ -189,6 +190,51 @@ def test_a_forced_call_then_its_output_through_previous_response_id(client):
         input=[{"role": "user", "content": "weather in Oslo?"}] + [item.model_dump() for item in called.output] +
         answer)
     assert followed.usage.input_tokens == whole.usage.input_tokens > called.usage.input_tokens + 5
+
+
+@pytest.fixture(scope="module")
+def openai_schemas() -> dict:
+    """OpenAI's published schemas of the response object and of each stream event, by event type
+    (`openai_api/`, cut from OpenAI's OpenAPI description by `scripts/vendor_openai_schemas.py`)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "openai_api", "response_schemas.json")) as f:
+        components = json.load(f)["components"]
+    events = {}
+    for reference in components["schemas"]["ResponseStreamEvent"]["anyOf"]:
+        name = reference["$ref"].rsplit("/", 1)[1]
+        events |= {kind: name for kind in components["schemas"][name]["properties"]["type"]["enum"]}
+    return {"components": components, "events": events}
+
+
+def conforms(schemas: dict, name: str, instance: dict) -> None:
+    document = {"$ref": f"#/components/schemas/{name}", "components": schemas["components"]}
+    jsonschema.Draft202012Validator(document).validate(instance)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_and_events_validate_against_openais_schemas(served, openai_schemas, stream):
+    """A forced call (reasoning, function_call and message items) and a response cut short, whole
+    and streamed, raw from the wire: every event against its type's schema, every response object
+    against `Response`, the stored one too."""
+    called = {"input": "weather in Oslo?", "tools": [WEATHER], "max_output_tokens": 40, "temperature": 0,
+              "tool_choice": {"type": "function", "name": "weather"}, "store": True, **FAST}
+    cut = {"input": "sunny?", "max_output_tokens": 2, "store": False, "user": "u1", "instructions": "Be brief.", **FAST,
+           "text": {"format": {"type": "json_schema", "name": "answer", "schema": YES_NO}}}
+    for body in (called, cut):
+        raw = post(served, {**body, "stream": stream})
+        assert raw.status_code == 200, raw.text
+        if not stream:
+            final = raw.json()
+        else:
+            events = [json.loads(line[len("data: "):]) for line in raw.text.splitlines() if line.startswith("data: ")]
+            for event in events:
+                conforms(openai_schemas, openai_schemas["events"][event["type"]], event)
+            final = events[-1]["response"]
+        conforms(openai_schemas, "Response", final)
+        assert final["status"] == ("completed" if body is called else "incomplete")
+        if body is called:
+            assert [item["type"] for item in final["output"]][-1] == "function_call"
+            stored = httpx.get(served[0].url + "/v1/responses/" + final["id"], timeout=60)
+            conforms(openai_schemas, "Response", stored.json())
 
 
 def test_text_format_json_schema_is_decoded_under_the_grammar(client):
