@@ -106,9 +106,26 @@ class Choice(NamedTuple):
     entropy: jax.Array
 
 
-def sampling_logits(logits: jax.Array, controls: Controls) -> jax.Array:
-    """Temperature, then top-k, then top-p (nucleus), as transformers' logits warpers apply them."""
+def truncates(controls: Controls, vocab: int) -> jax.Array:
+    """bool, the controls' shape: the sequence's top-k or top-p cuts its distribution (else sampling
+    reads every token and needs no sort of the vocabulary)."""
+    top_k = jnp.asarray(controls.top_k)
+    return ((top_k > 0) & (top_k < vocab)) | (jnp.asarray(controls.top_p) < 1.0)
+
+
+def sampling_logits(logits: jax.Array, controls: Controls, *, truncate: bool = True) -> jax.Array:
+    """Temperature, then top-k, then top-p (nucleus), as transformers' logits warpers apply them.
+    truncate: False when no sequence's top-k or top-p cuts (`truncates`): temperature alone, no sort."""
     logits = logits / controls.temperature
+    if not truncate:
+        return logits
+    # the sort of a 248,320-id vocabulary is most of a sampled step's time on CPU: skipped at run time
+    # when nothing cuts (inside a vmap over per-sequence controls this becomes a select of both)
+    return jax.lax.cond(jnp.any(truncates(controls, logits.shape[-1])), _truncated, lambda values, _: values,
+                        logits, controls)
+
+
+def _truncated(logits: jax.Array, controls: Controls) -> jax.Array:
     descending = jnp.sort(logits, axis=-1)[..., ::-1]
     k = jnp.where(controls.top_k > 0, jnp.minimum(controls.top_k, logits.shape[-1]), logits.shape[-1])
     kth = jnp.take_along_axis(descending, jnp.broadcast_to(k - 1, logits.shape[:-1])[..., None], axis=-1)
@@ -126,11 +143,13 @@ def sampling_logits(logits: jax.Array, controls: Controls) -> jax.Array:
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-def choose(logits: jax.Array, controls: Controls, do_sample: bool, key: jax.Array | None) -> Choice:
+def choose(logits: jax.Array, controls: Controls, do_sample: bool, key: jax.Array | None, *,
+           truncate: bool = True) -> Choice:
     """Greedy argmax (ties: lowest id) or a sample; confidence is the chosen token's probability
-    under the distribution it was chosen from. logits: float32 [rows, vocab]."""
+    under the distribution it was chosen from. logits: float32 [rows, vocab]. truncate: as
+    `sampling_logits`'s."""
     if do_sample:
-        logits = sampling_logits(logits, controls)
+        logits = sampling_logits(logits, controls, truncate=truncate)
         token = jax.random.categorical(key, logits, axis=-1)
     else:
         token = jnp.argmax(logits, axis=-1)

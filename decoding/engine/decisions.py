@@ -43,7 +43,7 @@ from clover_jax.core.passes import ModelPasses
 from clover_jax.core.ragged import COMPACT_PLATFORMS, PagedBatch, PagedState, on_live, slots_first
 from decoding.autoregressive import next_tokens
 from decoding.block_loop import StepRules, apply_step, denoising_step, frontier_choice, propose
-from decoding.controls import Choice, Controls, TokenIds, choose, per_sequence_axes, process_batch
+from decoding.controls import Choice, Controls, TokenIds, choose, per_sequence_axes, process_batch, truncates
 from decoding.engine.slot_states import (
     MAX_TOP_LOGPROBS,
     SCHEDULES,
@@ -72,8 +72,13 @@ def per_slot_choice(controls: Controls, sampling: jax.Array, sample: bool):
         greedy = jax.vmap(lambda rows: choose(rows, controls, False, None))(processed)
         if not sample:
             return greedy
-        sampled = jax.vmap(lambda rows, key, c: choose(rows, c, True, key),
-                           in_axes=(0, 0, per_sequence_axes(controls)))(processed, keys, controls)
+        def sampled_rows(truncate: bool):
+            return jax.vmap(lambda rows, key, c: choose(rows, c, True, key, truncate=truncate),
+                            in_axes=(0, 0, per_sequence_axes(controls)))(processed, keys, controls)
+        # decided here, over the sampling slots, not inside the vmap (where a condition is a select of both)
+        cut = jnp.any(sampling & truncates(controls, processed.shape[-1]))
+        sampled = jax.lax.cond(cut, lambda: sampled_rows(True),
+                               lambda: sampled_rows(False))
         return jax.tree_util.tree_map(lambda g, s: jnp.where(sampling[:, None], s, g), greedy, sampled)
     return choose_rows
 
