@@ -169,6 +169,7 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
     import tracemalloc
 
     import httpx
+    import jax
 
     from clover_jax.api.serving.app import create_app
     from clover_jax.api.serving.server import ServerThread, build_service
@@ -179,6 +180,9 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
     compiles = CompileCounter().start()
     precompiled = engine.precompile(MODES, BLOCK_SIZES)
     logger.info("soak: precompiled %d programs in %.1f s", precompiled.programs, precompiled.seconds)
+    if drop_programs:  # dropped and loaded again once before the warm-up, as after every reading, so that
+        jax.clear_caches()  # the warm-up's reading (the baseline of the growth) follows the same cycle
+        engine.precompile(MODES, BLOCK_SIZES)
     gc.collect()
     loaded = rss_bytes() if malloc_trim() else None  # the model loaded, no program compiled yet
     if python_heap:
@@ -220,8 +224,6 @@ def soak(*, requests: int, warmup: int, phase: int, concurrency: int, seed: int 
         programs |= collections.Counter(one["programs_by_function"])
     bound = program_bound(engine)
     engine.close()
-    import jax
-
     before_free = rss_bytes() if malloc_trim() else None
     jax.clear_caches()
     gc.collect()
