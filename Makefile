@@ -41,6 +41,7 @@ CLAUDE_CODE_VERSION := 2.0.77
 AGENT_CLIS := $(VENV)/agent-clis
 AGENT_CLIS_STAMP := $(AGENT_CLIS)/.installed-codex-$(CODEX_VERSION)-claude-code-$(CLAUDE_CODE_VERSION)
 $(AGENT_CLIS_STAMP): | $(BIN)/python
+	@command -v npm >/dev/null || { echo "make: npm (Node.js 18 or later) installs the agent CLIs the tests run"; exit 1; }
 	rm -f $(AGENT_CLIS)/.installed-*
 	npm install --prefix $(AGENT_CLIS) --save-exact --no-audit --no-fund --loglevel=error \
 		@openai/codex@$(CODEX_VERSION) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)

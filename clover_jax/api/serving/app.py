@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 request_log = logging.getLogger("clover_jax.api.serving.requests")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/v1/responses",
              "/v1/messages", "/v1/messages/count_tokens")
+STORED_RESPONSE = "/v1/responses/{id}"  # the endpoint label of GET and DELETE /v1/responses/ID, whatever the id
 MAX_REQUEST_ID = 200  # characters of a client's X-Request-Id kept; a longer or unprintable one is replaced
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -80,7 +81,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         request.state.request_id = request_id
         response = await call_next(request)
         response.headers["X-Request-Id"] = request_id
-        endpoint = request.url.path if request.url.path in ENDPOINTS else "other"
+        endpoint = _endpoint(request.url.path)
         metrics.request_done(endpoint, response.status_code)
         if log_requests:
             request_log.info("%s %s %d %.3fs id=%s", request.method, request.url.path, response.status_code,
@@ -178,6 +179,17 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     add_responses_routes(app, service, metrics, max_body_bytes, body_timeout)
     add_messages_routes(app, service, metrics.engine_request_done, max_body_bytes, body_timeout)
     return app
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a path: the route's own (one label for every response id, so that the
+    labels stay few), else "other"."""
+    if path in ENDPOINTS:
+        return path
+    response_id = path.removeprefix("/v1/responses/")
+    if response_id != path and response_id and "/" not in response_id:
+        return STORED_RESPONSE
+    return "other"
 
 
 def _authorized(request: Request, api_key: str) -> bool:

@@ -267,6 +267,27 @@ def test_an_unknown_previous_response_is_a_404_and_a_refused_field_a_400(client)
     assert inexpressible.value.body["param"].startswith("tools[1].parameters"), inexpressible.value.body
 
 
+def test_get_and_delete_of_a_stored_response_are_counted_under_their_own_endpoint(served, client):
+    """One label for every response id (`/v1/responses/{id}`), not "other"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict:
+        text = httpx.get(served[0].url + "/metrics").text
+        return {(s.labels["endpoint"], s.labels["status"]): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == "clover_requests_total"}
+
+    stored = client.responses.create(model=QWEN, input="hi", max_output_tokens=1, reasoning=NO_THINKING,
+                                     extra_body=FAST)
+    url = f"{served[0].url}/v1/responses/{stored.id}"
+    before = counts()
+    statuses = [httpx.get(url).status_code, httpx.delete(url).status_code, httpx.get(url).status_code]
+    after = counts()
+    assert statuses == [200, 200, 404]
+    added = {key: after[key] - before.get(key, 0) for key in after
+             if after[key] != before.get(key, 0) and key[0] != "/metrics"}  # (the first scrape is counted)
+    assert added == {("/v1/responses/{id}", "200"): 2, ("/v1/responses/{id}", "404"): 1}
+
+
 def test_an_agent_calls_its_tool_and_answers(served):
     agents = pytest.importorskip("agents")
     from openai.types.shared import Reasoning
