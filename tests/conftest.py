@@ -85,6 +85,7 @@ LONGEST_FIRST_SECONDS = {
     "tests/decoding/test_speculative.py": 100,
     "tests/clover_jax/api/test_cli.py": 98,
     "tests/decoding/test_constraints_generate.py": 70,
+    "tests/clover_jax/api/serving/test_agent_requests.py": 70,
     "tests/decoding/test_constraints_json.py": 68,
 }
 LONGEST_FIRST = tuple(sorted(LONGEST_FIRST_SECONDS, key=LONGEST_FIRST_SECONDS.get, reverse=True))
