@@ -141,10 +141,13 @@ def _fresh_progress(slots: DiffusionSlots, active: jax.Array, committed: jax.Arr
         open=progress.open | committed)
 
 
-def _step_rules(slots: DiffusionSlots, ids: TokenIds, sample: bool, fill_at_cap: bool = True) -> StepRules:
+def _step_rules(slots: DiffusionSlots, active: jax.Array, ids: TokenIds, sample: bool,
+                fill_at_cap: bool = True) -> StepRules:
+    """The step's rules; an inactive slot's choice is discarded, so it is made greedily (a slot left by
+    a request that sampled under top-p must not make the others' sampling sort the vocabulary)."""
     controls = slots.controls
     return StepRules(controls=controls, ids=ids, steps_cap=slots.steps_cap,
-                     choose=per_slot_choice(controls, slots.sample, sample),
+                     choose=per_slot_choice(controls, slots.sample & active, sample),
                      schedule=lambda view: jax.vmap(SCHEDULES)(view, slots.schedule), fill_at_cap=fill_at_cap)
 
 
@@ -183,7 +186,7 @@ def decide_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hi
     def decide(slots, hidden, active, committed):
         progress = _fresh_progress(slots, active, committed, ids, block_size)
         block_logits = passes.head_logits(params, hidden[:, :block_size])              # [S, B, vocab]
-        after, details = denoising_step(progress, slots.facts, block_logits, _step_rules(slots, ids, sample))
+        after, details = denoising_step(progress, slots.facts, block_logits, _step_rules(slots, active, ids, sample))
         return _kept(passes, params, slots, hidden, active, before=progress, progress=after, details=details,
                      ids=ids, size=block_size, scores=scores)
     return _on_active(passes, active, decide, slots, hidden, active, committed)
@@ -217,7 +220,7 @@ def propose_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, h
     def propose_step(slots, hidden, active, committed, frontier, allowed):
         progress = _fresh_progress(slots, active, committed, ids, block_size)
         block_logits = passes.head_logits(params, hidden[:, :block_size])
-        rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+        rules = _step_rules(slots, active, ids, sample, fill_at_cap=False)
         processed, keys, choice, decision = propose(progress, slots.facts, block_logits, rules)
         frontier_token = frontier_choice(processed, choice, keys, rules, frontier=frontier, allowed=allowed)
         held = slots.progress
@@ -244,7 +247,7 @@ def apply_diffusion(passes: ModelPasses, params: Any, slots: DiffusionSlots, hid
     `decide_diffusion` would)."""
     def apply(slots, hidden, active, tokens, after, edit, keep_open):
         progress = _fresh_progress(slots, active, jnp.zeros_like(active), ids, block_size)
-        rules = _step_rules(slots, ids, sample, fill_at_cap=False)
+        rules = _step_rules(slots, active, ids, sample, fill_at_cap=False)
         zeros = jnp.zeros(tokens.shape, jnp.float32)
         choice = Choice(token=tokens, confidence=zeros, margin=zeros, entropy=zeros)
         decision = Decision(decided=after, edit=edit, keep_open=keep_open)
@@ -289,7 +292,7 @@ def decide_autoregressive(passes: ModelPasses, params: Any, slots: Autoregressiv
             logits = jnp.where(allowed, logits, -jnp.inf)
         token = next_tokens(logits=logits, counts=slots.counts, index=slots.generated,
                             prompt_thinking=slots.prompt_thinking, sequence_keys=slots.key, controls=controls,
-                            ids=ids, choose_rows=per_slot_choice(controls, slots.sample, sample))
+                            ids=ids, choose_rows=per_slot_choice(controls, slots.sample & active, sample))
         generated = slots.generated + active
         finished = active & (jnp.any(token[:, None] == ids.eos[None, :], axis=-1)
                              | (generated >= slots.max_new_tokens))
