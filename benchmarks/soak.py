@@ -104,11 +104,12 @@ def program_bound(engine, modes=MODES, block_sizes=BLOCK_SIZES) -> dict[str, int
     (`precompile.planned_programs`), function by function — a forward pass per token padding; a
     denoising step per block size, greedy and sampled, with and without log-probabilities; a
     self-speculative round's drafts and acceptance per block size; the autoregressive choice greedy
-    and sampled; a slot write per mode; a slot's GDN states zeroed, read and restored."""
+    and sampled; the admitted slots' write per mode; their GDN states zeroed; a slot's GDN states
+    read and restored."""
     sizes = len(set(block_sizes))
     return {"forward": len(engine.shapes.paddings), "decide_diffusion": 4 * sizes, "decide_drafts": sizes,
-            "decide_verified": sizes, "decide_autoregressive": 2, "put_slot": len(modes), "slot_gdn": 1,
-            "put_slot_gdn": 2}
+            "decide_verified": sizes, "decide_autoregressive": 2, "put_slots": len(modes), "slot_gdn": 1,
+            "put_slot_gdn": 1, "clear_slots_gdn": 1}
 
 
 def malloc_trim() -> bool:

@@ -66,12 +66,14 @@ def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Se
     if mesh_sharding is not None:
         state = jax.tree_util.tree_map(lambda leaf, sharding: _placed(leaf, sharding=sharding), state,
                                        mesh_sharding.paged_state_shardings(state))
+    diffusion_template = template(Mode.DIFFUSION)  # outside the trace: its key is made on the host
     slots = jax.tree_util.tree_map(whole, jax.eval_shape(lambda: slot_states.empty_slot_states(
         slots=shapes.slots, max_block=shapes.max_block, vocab=config.vocab_size, ids=ids,
-        template=template(Mode.DIFFUSION))))
+        template=diffusion_template)))
     hidden = whole(jax.ShapeDtypeStruct((shapes.slots, shapes.logit_width, config.hidden_size), jnp.dtype(dtype)))
     none = whole(jax.ShapeDtypeStruct((shapes.slots,), jnp.bool_))
     slot = whole(jax.ShapeDtypeStruct((), jnp.int32))
+    indices = whole(jax.ShapeDtypeStruct((shapes.slots,), jnp.int32))  # the slots admitted at a step boundary
     ids_placed = jax.tree_util.tree_map(lambda leaf: whole(_abstract(leaf)), ids)
     gdn = jax.eval_shape(prefix_cache.slot_gdn, state, slot)
     if mesh_sharding is not None:
@@ -101,16 +103,19 @@ def abstract_programs(passes, params, *, config, dtype, mesh_sharding, modes: Se
             function = getattr(decisions, program.function)
             args = (passes, params, slots.speculative, hidden, none, ids_placed)
             static = {"block_size": program.block_size}
-        elif program.function == "put_slot":
+        elif program.function == "put_slots":
             field = fields[program.mode]
             entry = _entry(template(program.mode), field, shapes, ids, config.vocab_size)
-            function = slot_states.put_slot
-            entry = jax.tree_util.tree_map(lambda leaf: whole(_abstract(leaf)), entry)
-            args, static = (getattr(slots, field), slot, entry), {}
+            function = slot_states.put_slots
+            _, rows = slot_states.stacked_rows([entry], [0], slots=shapes.slots)
+            rows = jax.tree_util.tree_map(lambda leaf: whole(_abstract(leaf)), rows)
+            args, static = (getattr(slots, field), indices, rows), {}
         elif program.function == "slot_gdn":
             function, args, static = prefix_cache.slot_gdn, (state, slot), {}
+        elif program.function == "put_slot_gdn":
+            function, args, static = prefix_cache.put_slot_gdn, (state, slot, gdn), {}
         else:
-            function, args, static = prefix_cache.put_slot_gdn, (state, slot, gdn if program.kept else None), {}
+            function, args, static = prefix_cache.clear_slots_gdn, (state, indices), {}
         programs.append(AbstractProgram(program, function, args, static))
     return shapes, programs
 

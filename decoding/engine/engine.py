@@ -46,14 +46,13 @@ import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.errors import UNSUPPORTED, FieldError
 from clover_jax.core.ragged import TRASH_PAGE, layout, page_bytes, slot_state_bytes
 from decoding.engine import decisions, grammars, precompile as precompiling
 from decoding.engine.pages import PagePool, PoolExhausted
-from decoding.engine.prefix_cache import Boundary, PrefixCache, put_slot_gdn, slot_gdn
+from decoding.engine.prefix_cache import Boundary, PrefixCache, clear_slots_gdn, put_slot_gdn, slot_gdn
 from decoding.engine.requests import EngineEvent, EngineRequest, Listener, PreparedRequest, RequestStats, prepare
 from decoding.engine.shapes import EngineShapes
 from decoding.engine.slot_states import (
@@ -61,8 +60,9 @@ from decoding.engine.slot_states import (
     autoregressive_entry,
     diffusion_entry,
     empty_slot_states,
-    put_slot,
+    put_slots,
     speculative_entry,
+    stacked_rows,
 )
 from decoding.engine.work import (
     Outcome,
@@ -135,6 +135,15 @@ class PassRecord(NamedTuple):
     pages_in_use: int      # K/V pages of the pool in use after it (by requests and the prefix cache)
     request_pages: int     # pages the running requests hold (a page shared through the prefix cache once per holder)
     positions_held: int    # positions the running requests' states hold after it
+
+
+class Admission(NamedTuple):
+    """A request taken into a slot at this step boundary, its device writes still to come."""
+
+    tracked: Tracked
+    field: str             # the slot structure it uses
+    entry: Any             # its entry ([1]-slot NumPy leaves)
+    gdn: Any               # the GDN states a prefix-cache hit restores (None: zeros)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,6 +461,9 @@ class Engine:
                 self._finish(tracked, "cancelled")
 
     def _admit(self) -> None:
+        """Take queued requests into free slots (host work, each request alone), then write every
+        one taken at this step boundary to the device together (`_write_admitted`)."""
+        admitted = []
         while self._queue and self._free_slots:
             tracked = self._queue[0]
             prepared = tracked.prepared
@@ -462,19 +474,22 @@ class Engine:
                 break  # the oldest waits for pages; the pool is shared in order
             self._queue.popleft()
             try:
-                self._take_slot(tracked, need)
+                admitted.append(self._take_slot(tracked, need))
             except Exception as error:  # this request alone fails
                 logger.exception("admitting request %d failed", tracked.number)
                 self._fail(tracked, f"admission failed: {type(error).__name__}: {error}")
+        if admitted:
+            self._write_admitted(admitted)
 
-    def _take_slot(self, tracked: Tracked, need: int) -> None:
+    def _take_slot(self, tracked: Tracked, need: int) -> Admission:
+        """A request's slot, pages and host bookkeeping; its device entry is returned, not written."""
         prepared, context = tracked.prepared, self.context
         self.pool.reserve(need)
         tracked.reserved, tracked.slot = need, self._free_slots.pop()
         with self._lock:  # one step, so that `submit_all` counts it once: waiting, or held
             self._waiting -= 1
             self._held[tracked.number] = tracked
-        slot = jnp.int32(tracked.slot)
+        field, entry = self.entry_for(prepared)
         hit = None
         if self.prefix_cache is not None:
             tracked.boundary = Boundary()
@@ -482,7 +497,6 @@ class Engine:
         if hit is not None:
             tracked.pages, tracked.filled, tracked.cached = list(hit.pages), hit.length, hit.length
             self.page_table[tracked.slot, :len(hit.pages)] = hit.pages
-        self.state = put_slot_gdn(self.state, slot, None if hit is None else hit.gdn)
         prefix = len(tracked.prefix)
         if self.prefix_cache is not None:
             boundary = prefix // self.prefix_cache.grid * self.prefix_cache.grid
@@ -493,8 +507,29 @@ class Engine:
             tracked.block = list(tail) + [int(context.ids.mask)] * (size - len(tail))
         elif prepared.mode == Mode.SELF_SPECULATIVE:
             tracked.pending = [prepared.prompt[-1]]
-        field, entry = self.entry_for(prepared)
-        self.slots = self.slots._replace(**{field: put_slot(getattr(self.slots, field), slot, entry)})
+        return Admission(tracked, field, entry, None if hit is None else hit.gdn)
+
+    def _write_admitted(self, admitted: list[Admission]) -> None:
+        """The device writes of the requests admitted at one step boundary: their GDN states (zeros,
+        or a prefix's kept states) and each mode's slot entries, one program per structure. A
+        failure fails these requests (the loop starts from a fresh state if it took the old one)."""
+        slots = self.shapes.slots
+        try:
+            fresh = [one.tracked.slot for one in admitted if one.gdn is None]
+            if fresh:
+                self.state = clear_slots_gdn(self.state, np.asarray(fresh + [slots] * (slots - len(fresh)), np.int32))
+            for one in admitted:
+                if one.gdn is not None:
+                    self.state = put_slot_gdn(self.state, np.int32(one.tracked.slot), one.gdn)
+            for field in dict.fromkeys(one.field for one in admitted):
+                mine = [one for one in admitted if one.field == field]
+                indices, rows = stacked_rows([one.entry for one in mine], [one.tracked.slot for one in mine],
+                                             slots=slots)
+                self.slots = self.slots._replace(**{field: put_slots(getattr(self.slots, field), indices, rows)})
+        except Exception as error:
+            logger.exception("writing %d admitted requests failed", len(admitted))
+            for one in admitted:
+                self._fail(one.tracked, f"admission failed: {type(error).__name__}: {error}")
 
     def _plan(self) -> list:
         """Every decoding request's work, then prefill chunks within the budgets. Decoding requests
@@ -703,7 +738,7 @@ class Engine:
         logged: the cache only saves work."""
         try:
             self.prefix_cache.store(tokens, tracked.filled, tracked.pages,
-                                    gdn=lambda: slot_gdn(self.state, jnp.int32(tracked.slot)))
+                                    gdn=lambda: slot_gdn(self.state, np.int32(tracked.slot)))
         except Exception:
             logger.exception("storing a prefix of %d tokens in the prefix cache failed", tracked.filled)
 
@@ -716,7 +751,7 @@ class Engine:
             if tracked.done or boundary is None or not tracked.decoding:
                 continue
             if tracked.filled % grid == 0 and tracked.filled > boundary.length:
-                boundary.length, boundary.gdn = tracked.filled, slot_gdn(self.state, jnp.int32(tracked.slot))
+                boundary.length, boundary.gdn = tracked.filled, slot_gdn(self.state, np.int32(tracked.slot))
 
     def _keep_finished(self, tracked: Tracked) -> None:
         boundary = tracked.boundary

@@ -8,8 +8,9 @@ requests can meet are a short list, the same for a context of 4K or 128K:
 * the decisions (`decoding.engine.decisions`): per served block size a denoising step (greedy and
   sampled, with and without log-probabilities) and a self-speculative round's drafts and
   acceptance; the autoregressive choice (greedy and sampled);
-* writing a request into a slot (one per mode's structure), and the prefix cache's copies of a
-  slot's GDN states (reading them; writing them, zeros or kept ones).
+* writing the requests admitted at a step boundary into their slots (one per mode's structure)
+  and zeroing their GDN states; with a prefix cache, reading a slot's GDN states and restoring
+  kept ones.
 
 `served_set` lists them; `planned_programs` counts them; `precompile` compiles exactly them by
 running each program once on inputs that change nothing (a pass of padding rows only, decisions for
@@ -32,7 +33,6 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.core.ragged import layout
@@ -43,7 +43,8 @@ from decoding.modes import Mode, as_mode, strategy
 logger = logging.getLogger(__name__)
 
 PROGRAMS = (decisions.forward, decisions.decide_diffusion, decisions.decide_autoregressive, decisions.decide_drafts,
-            decisions.decide_verified, slot_states.put_slot, prefix_cache.slot_gdn, prefix_cache.put_slot_gdn)
+            decisions.decide_verified, slot_states.put_slots, prefix_cache.slot_gdn, prefix_cache.put_slot_gdn,
+            prefix_cache.clear_slots_gdn)
 
 
 def compiled_programs() -> int:
@@ -104,13 +105,12 @@ class Program:
     block_size: int | None = None
     sample: bool = False
     scores: bool = False
-    kept: bool | None = None  # put_slot_gdn: restoring kept states (else zeros)
 
     @property
     def name(self) -> str:
         parts = [self.function] + [f"{key}={value}" for key, value in (
-            ("tokens", self.tokens), ("mode", self.mode and self.mode.value), ("B", self.block_size),
-            ("kept", self.kept)) if value is not None]
+            ("tokens", self.tokens), ("mode", self.mode and self.mode.value), ("B", self.block_size))
+            if value is not None]
         return "/".join(parts + ["sampled"] * self.sample + ["scores"] * self.scores)
 
 
@@ -133,11 +133,11 @@ def served_set(*, modes: Sequence[str], block_sizes: Sequence[int], paddings: Se
         else:
             programs += [Program(function, "decisions", mode=mode, block_size=size)
                          for size in sizes for function in ("decide_drafts", "decide_verified")]
-        programs.append(Program("put_slot", "slots", mode=mode))
-    # a slot's GDN states: zeroed at every admission; read and restored for the prefix cache
+        programs.append(Program("put_slots", "slots", mode=mode))
+    # the admitted slots' GDN states zeroed; with a prefix cache, a slot's read and restored
     if prefix_cache:
-        programs += [Program("slot_gdn", "gdn_states"), Program("put_slot_gdn", "gdn_states", kept=True)]
-    programs.append(Program("put_slot_gdn", "gdn_states", kept=False))
+        programs += [Program("slot_gdn", "gdn_states"), Program("put_slot_gdn", "gdn_states")]
+    programs.append(Program("clear_slots_gdn", "gdn_states"))
     return programs
 
 
@@ -197,14 +197,17 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
             structure, _ = getattr(decisions, program.function)(*model, slots.speculative, hidden, none, context.ids,
                                                                 block_size=program.block_size)
             engine.slots = slots._replace(speculative=structure)
-        elif program.function == "put_slot":
-            # the write of an admission, as it comes (NumPy leaves), into slot 0 (free: the engine is idle)
+        elif program.function == "put_slots":
+            # an admission's write, as the engine makes it (NumPy leaves), into slot 0 (free: the engine is idle)
             field, entry = engine.entry_for(engine.template(program.mode))
-            engine.slots = slots._replace(**{field: slot_states.put_slot(getattr(slots, field), jnp.int32(0), entry)})
+            indices, rows = slot_states.stacked_rows([entry], [0], slots=shapes.slots)
+            engine.slots = slots._replace(**{field: slot_states.put_slots(getattr(slots, field), indices, rows)})
         elif program.function == "slot_gdn":
-            kept = prefix_cache.slot_gdn(engine.state, jnp.int32(0))
+            kept = prefix_cache.slot_gdn(engine.state, np.int32(0))
+        elif program.function == "put_slot_gdn":
+            engine.state = prefix_cache.put_slot_gdn(engine.state, np.int32(0), kept)
         else:
-            engine.state = prefix_cache.put_slot_gdn(engine.state, jnp.int32(0), kept if program.kept else None)
+            engine.state = prefix_cache.clear_slots_gdn(engine.state, np.full((shapes.slots,), shapes.slots, np.int32))
     jax.block_until_ready(engine.state)
     grown = {name: count - before[name] for name, count in _programs_by_function().items() if count > before[name]}
     programs = sum(grown.values())

@@ -33,7 +33,6 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from clover_jax.core.ragged import PagedState
 from clover_jax.core.state import GDNState
@@ -237,14 +236,24 @@ def slot_gdn(state: PagedState, slot: jax.Array) -> dict[str, GDNState]:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def put_slot_gdn(state: PagedState, slot: jax.Array, gdn: dict[str, GDNState] | None) -> PagedState:
-    """`state` with slot `slot`'s GDN states replaced by `gdn` (None: zeros, an empty prefix)."""
+def put_slot_gdn(state: PagedState, slot: jax.Array, gdn: dict[str, GDNState]) -> PagedState:
+    """`state` with slot `slot`'s GDN states replaced by `gdn` (a prefix's kept states)."""
     layers = dict(state.layers)
     for name, layer in state.layers.items():
-        if not isinstance(layer, GDNState):
-            continue
-        new = GDNState(jnp.zeros_like(layer.conv[:, 0]), jnp.zeros_like(layer.recurrent[:, 0])) if gdn is None \
-            else gdn[name]
-        layers[name] = GDNState(layer.conv.at[:, slot].set(new.conv.astype(layer.conv.dtype)),
-                                layer.recurrent.at[:, slot].set(new.recurrent))
+        if isinstance(layer, GDNState):
+            new = gdn[name]
+            layers[name] = GDNState(layer.conv.at[:, slot].set(new.conv.astype(layer.conv.dtype)),
+                                    layer.recurrent.at[:, slot].set(new.recurrent))
+    return PagedState(layers)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def clear_slots_gdn(state: PagedState, indices: jax.Array) -> PagedState:
+    """`state` with the GDN states of slots `indices` (int32 [S]; S, past the last slot, marks an
+    unused entry) zeroed: the empty prefix of the requests admitted at one step boundary."""
+    layers = dict(state.layers)
+    for name, layer in state.layers.items():
+        if isinstance(layer, GDNState):
+            layers[name] = GDNState(layer.conv.at[:, indices].set(0, mode="drop"),
+                                    layer.recurrent.at[:, indices].set(0, mode="drop"))
     return PagedState(layers)

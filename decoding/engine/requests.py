@@ -152,8 +152,11 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
 
 
 @functools.lru_cache(maxsize=256)
-def sequence_key_row(seed: int) -> jax.Array:
+def sequence_key_row(seed: int) -> np.ndarray:
     """The key a request alone draws from, `generate(key=jax.random.key(seed))`'s for prompt 0
-    (random schedules draw from it in greedy decoding too), with a slot axis ([1]) as a slot's
-    entry holds it. Cached: most requests share a seed (each call is a few device ops, ~0.1 ms)."""
-    return jax.random.fold_in(jax.random.key(seed), 0)[None]
+    (random schedules draw from it in greedy decoding too), as raw key data with a slot axis
+    ([1, ...] uint32) as a slot's entry holds it. Cached: most requests share a seed (each call is a
+    few device ops, ~0.1 ms)."""
+    data = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)[None]))
+    data.setflags(write=False)  # shared by every request of this seed
+    return data

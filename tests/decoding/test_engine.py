@@ -205,6 +205,39 @@ def test_an_engine_that_cannot_start_again_stops_and_says_so(model, controls_con
             engine.submit(EngineRequest(PROMPTS[0]), lambda event: None)
 
 
+def test_requests_admitted_together_are_written_into_their_slots_by_one_program(engine):
+    """`put_slots` with two requests' rows for slots 2 and 0: those slots hold exactly each
+    request's entry (its counts and scores zeroed over what the slot held before, its key the one
+    `generate` draws from), the other slots keep what they held."""
+    import jax
+    import numpy as np
+
+    from decoding.engine.slot_states import put_slots, stacked_rows
+
+    engine.run([EngineRequest(PROMPTS[0], overrides={"max_new_tokens": 8})], timeout=300)  # slots left non-zero
+    before = jax.tree_util.tree_map(lambda leaf: leaf.copy(), engine.slots.diffusion)
+    assert np.asarray(before.progress.counts[0]).any()  # the request ran in slot 0
+    entries = [engine.entry_for(engine.check(EngineRequest(prompt, seed=seed)))[1]
+               for prompt, seed in ((PROMPTS[1], 7), (PROMPTS[2], 11))]
+    indices, rows = stacked_rows(entries, [2, 0], slots=engine.shapes.slots)
+    assert indices.tolist() == [2, 0, 4, 4]
+    after = put_slots(jax.tree_util.tree_map(lambda leaf: leaf.copy(), engine.slots.diffusion), indices, rows)
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(after, is_leaf=_is_key)
+    leaves = [jax.tree_util.tree_leaves(tree, is_leaf=_is_key) for tree in (before, entries[0], entries[1])]
+    for (path, new), old, first, second in zip(paths_and_leaves, *leaves, strict=True):
+        new, old = (np.asarray(jax.random.key_data(leaf)) if _is_key(leaf) else np.asarray(leaf) for leaf in (new, old))
+        assert (new[2] == first[0]).all() and (new[0] == second[0]).all(), path
+        assert (new[[1, 3]] == old[[1, 3]]).all(), path
+    assert (np.asarray(jax.random.key_data(after.facts.key[2]))
+            == np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(7), 0)))).all()
+
+
+def _is_key(leaf) -> bool:
+    import jax
+
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def test_bounded_queue(model, controls_config):
     release = threading.Event()
     with Engine(model, controls_config, max_running=1, max_queue=1) as engine:
