@@ -35,7 +35,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from clover_jax.core.ragged import layout
+from clover_jax.core.ragged import SlotWork, layout
 from decoding.engine import decisions, prefix_cache, slot_states
 from decoding.engine.shapes import max_pass_tokens, token_paddings
 from decoding.modes import Mode, as_mode, strategy
@@ -164,15 +164,30 @@ def planned_programs(*, modes: Sequence[str], block_sizes: Sequence[int], max_ru
     return counts
 
 
+def exercising_works(shapes, tokens: int, *, mask: int) -> list[list[SlotWork]]:
+    """The passes of `tokens` rows that run every branch of the forward (`on_live`'s widths: no
+    slot's work, one slot's, every slot's, over the blocks, the attention tiles and the expert
+    rows) while writing nothing a request reads: the pages they write are the trash page (an idle
+    engine's page table holds no other), the GDN states and slot structures they change are free
+    slots', which an admission writes whole. Each slot's work: a block of one mask token, after a
+    causal segment that fills its share of the pass."""
+    share = min(max(1, tokens // shapes.slots), shapes.pages_per_slot * shapes.page_size)
+    every = [SlotWork(slot, 0, causal=(mask,) * (share - 1), block=(mask,), logit_rows=(share - 1,))
+             for slot in range(min(shapes.slots, tokens))]
+    return [[], [SlotWork(0, 0, block=(mask,), logit_rows=(0,))], every]
+
+
 def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], sample: bool = True) -> Precompiled:
-    """Compile every program of `served_set` for `engine` (idle) by running each once on inputs that
-    change nothing (a pass of padding rows only, decisions for no slot, an admission's write into
-    slot 0); logs their count and time."""
+    """Compile every program of `served_set` for `engine` (idle) by running it on inputs that change
+    nothing a request reads, and through every branch a request can take (`exercising_works`; the
+    decisions for no slot and for every slot; an admission's write into slot 0): on a CPU, XLA
+    makes a branch's machine code ready the first time it runs, ~50 ms a program on the bundled
+    model, which a request would otherwise wait for. Logs their count and time."""
     started = time.perf_counter()
     before = _programs_by_function()
     modes = list(dict.fromkeys(as_mode(mode) for mode in modes))
     shapes, context = engine.shapes, engine.context
-    none = np.zeros(shapes.slots, bool)
+    none, every = np.zeros(shapes.slots, bool), np.ones(shapes.slots, bool)
     hidden = None
     model = (context.passes, context.params)
     for program in served_set(modes=modes, block_sizes=block_sizes, paddings=shapes.paddings, sample=sample,
@@ -180,23 +195,27 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
         check_mapping_headroom()
         slots = engine.slots
         if program.function == "forward":
-            ids, batch = layout([], num_tokens=program.tokens, page_table=engine.page_table,
-                                max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
-            hidden, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
-                                                     context.coreset_top_p, coreset=context.coreset)
+            for works in exercising_works(shapes, program.tokens, mask=int(context.ids.mask)):
+                ids, batch = layout(works, num_tokens=program.tokens, page_table=engine.page_table,
+                                    max_block=shapes.max_block, logit_width=shapes.logit_width, chunk=shapes.chunk)
+                hidden, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
+                                                         context.coreset_top_p, coreset=context.coreset)
         elif program.function == "decide_diffusion":
-            structure, _ = decisions.decide_diffusion(*model, slots.diffusion, hidden, none, none, context.ids,
-                                                      block_size=program.block_size, sample=program.sample,
-                                                      scores=program.scores)
-            engine.slots = slots._replace(diffusion=structure)
+            for active in (none, every):
+                structure, _ = decisions.decide_diffusion(*model, engine.slots.diffusion, hidden, active, none,
+                                                          context.ids, block_size=program.block_size,
+                                                          sample=program.sample, scores=program.scores)
+                engine.slots = engine.slots._replace(diffusion=structure)
         elif program.function == "decide_autoregressive":
-            structure, _ = decisions.decide_autoregressive(*model, slots.autoregressive, hidden, none, context.ids,
-                                                           sample=program.sample)
-            engine.slots = slots._replace(autoregressive=structure)
+            for active in (none, every):
+                structure, _ = decisions.decide_autoregressive(*model, engine.slots.autoregressive, hidden, active,
+                                                               context.ids, sample=program.sample)
+                engine.slots = engine.slots._replace(autoregressive=structure)
         elif program.function in ("decide_drafts", "decide_verified"):
-            structure, _ = getattr(decisions, program.function)(*model, slots.speculative, hidden, none, context.ids,
-                                                                block_size=program.block_size)
-            engine.slots = slots._replace(speculative=structure)
+            for active in (none, every):
+                structure, _ = getattr(decisions, program.function)(*model, engine.slots.speculative, hidden, active,
+                                                                    context.ids, block_size=program.block_size)
+                engine.slots = engine.slots._replace(speculative=structure)
         elif program.function == "put_slots":
             # an admission's write, as the engine makes it (NumPy leaves), into slot 0 (free: the engine is idle)
             field, entry = engine.entry_for(engine.template(program.mode))

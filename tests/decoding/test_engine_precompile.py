@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from decoding.engine import Engine, EngineRequest, precompile
@@ -84,6 +85,34 @@ def test_a_balanced_prefill_fills_the_padding_of_twice_the_running_rows():
         prompt = shapes.balanced_prefill(rows, floor=64)
         assert prompt >= 64 and (rows + prompt <= shapes.padding_for(min(2 * rows, 512)) or prompt == 64)
         assert rows + prompt >= min(2 * rows, 512) or prompt == 64
+
+
+@pytest.mark.parametrize("slots", [1, 3, 16, 40])
+def test_precompile_passes_run_every_width_of_the_forward(slots):
+    """`exercising_works`: at every token padding, passes whose live blocks and live attention tiles
+    pick each width `on_live` can run (none, one, all: on a CPU XLA readies a branch's code the
+    first time it runs, so a width left out would stall the first request that needs it), all
+    within the trash page and the engine's context."""
+    from clover_jax.core.ragged import ATTENTION_TILE, layout, live_widths
+    from decoding.engine.precompile import exercising_works
+    from decoding.engine.shapes import EngineShapes, token_paddings
+
+    paddings = token_paddings(512)
+    shapes = EngineShapes(slots=slots, max_context=256, block_sizes=(16,), page_size=16, pages_per_slot=16,
+                          num_pages=17, prefill_budget=512, max_tokens=512, paddings=paddings)
+    page_table = np.zeros((slots, shapes.pages_per_slot), np.int32)
+    width = lambda count, size: min(w for w in live_widths(size) if w >= count)
+    for tokens in paddings:
+        blocks, tiles = set(), set()
+        for works in exercising_works(shapes, tokens, mask=5):
+            _, batch = layout(works, num_tokens=tokens, page_table=page_table, max_block=16, logit_width=17,
+                              chunk=64)
+            blocks.add(width(int((batch.block_length > 0).sum()), slots))
+            tiles.add(width(int((batch.tile_rows[:, 0] < tokens).sum()), batch.tile_rows.shape[0]))
+            assert all(work.start + len(work.causal) + len(work.block) <= shapes.max_context for work in works)
+        # more than one live tile (the widest width) where a pass can hold more: two slots' rows, or one's past a tile
+        reachable = live_widths(batch.tile_rows.shape[0]) if slots > 1 or tokens > ATTENTION_TILE else (0, 1)
+        assert blocks == set(live_widths(slots)) and tiles == set(reachable), tokens
 
 
 def test_precompiling_stops_with_a_clear_error_before_the_process_runs_out_of_memory_mappings(model, monkeypatch):
