@@ -41,7 +41,7 @@ TARGET = 1.15
 MODELS = ("bundled", "medium")
 
 
-def run(model: str = "bundled", later: int = 2, max_new_tokens: int = 32) -> dict:
+def run(model: str = "bundled", later: int = 4, max_new_tokens: int = 32) -> dict:
     """The measurement in a fresh process with its own empty compilation cache."""
     with tempfile.TemporaryDirectory(prefix="clover-bench-burst-cache-") as cache:
         environment = dict(os.environ, CLOVER_JAX_CACHE_DIR=cache)
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=MODELS, help="measure this model in this process (its cache must be empty)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--later", type=int, default=2)
+    parser.add_argument("--later", type=int, default=4)
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args(argv)
     if args.child:
