@@ -277,10 +277,11 @@ class Engine:
                                None if mesh_sharding is None else mesh_sharding.replicated())
         return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, leaf.sharding), slots)
 
-    def template(self, mode: Mode) -> PreparedRequest:
-        """A request of `mode` as admission prepares one (the shapes of every slot structure's entry)."""
+    def template(self, mode: Mode, **overrides: Any) -> PreparedRequest:
+        """A request of `mode` as admission prepares one (the shapes of every slot structure's
+        entry), with `overrides` of the engine's generation defaults."""
         return prepare(self.model, EngineRequest([0], mode, generation_config=self.defaults,
-                                                 overrides={"max_new_tokens": 1}), self.max_context)
+                                                 overrides={"max_new_tokens": 1, **overrides}), self.max_context)
 
     def entry_for(self, prepared: PreparedRequest) -> tuple[str, Any]:
         """(the slot structure a request uses, its entry: NumPy leaves but its key)."""

@@ -177,10 +177,30 @@ def exercising_works(shapes, tokens: int, *, mask: int) -> list[list[SlotWork]]:
     return [[], [SlotWork(0, 0, block=(mask,), logit_rows=(0,))], every]
 
 
+def deciding_sets(engine, program: Program):
+    """The active-slot masks a decision program runs under in `precompile` (a generator): no slot
+    and every slot (`on_live`'s widths); for a sampled program, each width again with every slot
+    sampling at full width and then under top-p (the branch that sorts the vocabulary), the slots'
+    entries written before each (free slots: an admission writes its own whole)."""
+    slots = engine.shapes.slots
+    none, one, every = np.zeros(slots, bool), np.arange(slots) == 0, np.ones(slots, bool)
+    yield none
+    yield every
+    if not program.sample:
+        return
+    for controls in ({"top_k": 0, "top_p": 1.0}, {"top_k": 0, "top_p": 0.5}):
+        field, entry = engine.entry_for(engine.template(program.mode, do_sample=True, **controls))
+        indices, rows = slot_states.stacked_rows([entry] * slots, list(range(slots)), slots=slots)
+        engine.slots = engine.slots._replace(**{field: slot_states.put_slots(getattr(engine.slots, field), indices,
+                                                                             rows)})
+        yield one
+        yield every
+
+
 def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], sample: bool = True) -> Precompiled:
     """Compile every program of `served_set` for `engine` (idle) by running it on inputs that change
-    nothing a request reads, and through every branch a request can take (`exercising_works`; the
-    decisions for no slot and for every slot; an admission's write into slot 0): on a CPU, XLA
+    nothing a request reads, and through every branch a request can take (`exercising_works`,
+    `deciding_sets`; an admission's write into slot 0): on a CPU, XLA
     makes a branch's machine code ready the first time it runs, ~50 ms a program on the bundled
     model, which a request would otherwise wait for. Logs their count and time."""
     started = time.perf_counter()
@@ -201,13 +221,13 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
                 hidden, engine.state = decisions.forward(context.passes, context.params, engine.state, ids, batch,
                                                          context.coreset_top_p, coreset=context.coreset)
         elif program.function == "decide_diffusion":
-            for active in (none, every):
+            for active in deciding_sets(engine, program):
                 structure, _ = decisions.decide_diffusion(*model, engine.slots.diffusion, hidden, active, none,
                                                           context.ids, block_size=program.block_size,
                                                           sample=program.sample, scores=program.scores)
                 engine.slots = engine.slots._replace(diffusion=structure)
         elif program.function == "decide_autoregressive":
-            for active in (none, every):
+            for active in deciding_sets(engine, program):
                 structure, _ = decisions.decide_autoregressive(*model, engine.slots.autoregressive, hidden, active,
                                                                context.ids, sample=program.sample)
                 engine.slots = engine.slots._replace(autoregressive=structure)
