@@ -135,6 +135,7 @@ class PassRecord(NamedTuple):
     pages_in_use: int      # K/V pages of the pool in use after it (by requests and the prefix cache)
     request_pages: int     # pages the running requests hold (a page shared through the prefix cache once per holder)
     positions_held: int    # positions the running requests' states hold after it
+    waited: float          # of `seconds`, the host's wait for the device's results (the rest is host work)
 
 
 class Admission(NamedTuple):
@@ -248,6 +249,7 @@ class Engine:
         self._numbers = itertools.count()
         self._closed = False
         self.steps = 0                                             # passes run
+        self._waited = 0.0                                         # the current pass's wait for the device
         # the latest passes, as `PassRecord`s
         self.passes: collections.deque = collections.deque(maxlen=4096)
         self.precompiled: precompiling.Precompiled | None = None   # what `precompile` did
@@ -607,13 +609,15 @@ class Engine:
         self._apply(ran, reports)
         held = self._held.values()
         self.passes.append(PassRecord(started, time.monotonic() - started, rows, sum(t.ran_prefill for t in ran),
-                                      self.pool.in_use, sum(len(t.pages) for t in held), sum(t.filled for t in held)))
+                                      self.pool.in_use, sum(len(t.pages) for t in held), sum(t.filled for t in held),
+                                      self._waited))
 
     def _decide(self, hidden, ran: list[Tracked]) -> dict:
         """Every decision the pass's requests need, run on the device; their reports on the host. A
         decision that fails fails the requests of its mode alone (that mode's slot structure is made
         again); the other modes decide on."""
         context, slots = self.context, self.shapes.slots
+        self._waited = 0.0
         mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
         deciding = [t for t in ran if t.ran_decode]
         # (report key, slot structure, program, its arguments after the structure (a function: a grammar's
@@ -658,7 +662,9 @@ class Engine:
                 structure, report = program(context.passes, context.params, getattr(self.slots, field), *args(),
                                             **static)
                 self.slots = self.slots._replace(**{field: structure})
+                waiting = time.monotonic()
                 reports[key] = jax.device_get(report)
+                self._waited += time.monotonic() - waiting
             except Exception as error:
                 logger.exception("the %s decision failed; failing the requests of its mode", key)
                 failed[field] = f"decoding step failed: {type(error).__name__}: {error}"
