@@ -286,7 +286,7 @@ class Engine:
                                                  overrides={"max_new_tokens": 1, **overrides}), self.max_context)
 
     def entry_for(self, prepared: PreparedRequest) -> tuple[str, Any]:
-        """(the slot structure a request uses, its entry: NumPy leaves but its key)."""
+        """(the slot structure a request uses, its entry: NumPy leaves, the key as raw key data)."""
         context, max_block = self.context, self.shapes.max_block
         if prepared.mode == Mode.DIFFUSION:
             return "diffusion", diffusion_entry(prepared, max_block=max_block, ids=context.ids, vocab=context.vocab)

@@ -13,9 +13,10 @@ requests can meet are a short list, the same for a context of 4K or 128K:
   kept ones.
 
 `served_set` lists them; `planned_programs` counts them; `precompile` compiles exactly them by
-running each program once on inputs that change nothing (a pass of padding rows only, decisions for
-no slot); afterwards `on_demand` logs every program compiled for a request with its shape
-(expected: none). The same list is what a target's compiler compiles from any host
+running each program on inputs that change nothing a request reads, through every branch a request
+can take (passes of no slot's work, one slot's and every slot's; decisions for no slot and every
+slot, sampled ones also under top-p); afterwards `on_demand` logs every program compiled for a
+request with its shape (expected: none). The same list is what a target's compiler compiles from any host
 (`decoding.engine.abstract_programs`).
 
 On a CPU, XLA keeps every compiled program's machine code in memory mappings of the process, and

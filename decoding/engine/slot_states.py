@@ -89,8 +89,8 @@ def _controls_row(controls: Controls) -> Controls:
 
 
 def diffusion_entry(prepared, *, max_block: int, ids: TokenIds, vocab: int) -> DiffusionSlots:
-    """A request's diffusion slot ([1]-slot leaves, NumPy; the key as raw key data): its first block is its
-    prompt tail (fixed) then masks, as `generate` lays out a prompt alone."""
+    """A request's diffusion slot ([1]-slot leaves, NumPy; the key as raw key data): its first
+    block is its prompt tail (fixed) then masks, as `generate` lays out a prompt alone."""
     size = prepared.config.block_size
     prompt = prepared.prompt
     tail = len(prompt) % size
