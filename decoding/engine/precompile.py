@@ -208,7 +208,7 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
     before = _programs_by_function()
     modes = list(dict.fromkeys(as_mode(mode) for mode in modes))
     shapes, context = engine.shapes, engine.context
-    none, every = np.zeros(shapes.slots, bool), np.ones(shapes.slots, bool)
+    none = np.zeros(shapes.slots, bool)
     hidden = None
     model = (context.passes, context.params)
     for program in served_set(modes=modes, block_sizes=block_sizes, paddings=shapes.paddings, sample=sample,
@@ -233,7 +233,7 @@ def precompile(engine, *, modes: Sequence[str], block_sizes: Sequence[int], samp
                                                                context.ids, sample=program.sample)
                 engine.slots = engine.slots._replace(autoregressive=structure)
         elif program.function in ("decide_drafts", "decide_verified"):
-            for active in (none, every):
+            for active in deciding_sets(engine, program):
                 structure, _ = getattr(decisions, program.function)(*model, engine.slots.speculative, hidden, active,
                                                                     context.ids, block_size=program.block_size)
                 engine.slots = engine.slots._replace(speculative=structure)
