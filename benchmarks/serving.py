@@ -17,7 +17,9 @@ each method compiles every shape first (on the medium model over its first 16 re
 `--rounds` rounds (medium: `--medium-rounds`) alternate the methods (rotated order) and the
 medians of rounds are reported. The medium model runs 48 requests, three per client at
 concurrency 16, so that the clients' refills show the engine's steady state rather than one wave
-waiting for its slowest request (its request takes seconds on a CPU, hence one round). Every
+waiting for its slowest request (its request takes seconds on a CPU, hence one round). The bundled
+model runs 256: its requests (a sorted list of digits) end within about two passes, so 32 of them
+at concurrency 16 were five passes of filling and draining the slots. Every
 request's tokens from the engine are compared with `generate`'s for it (they must be equal:
 batching changes nothing).
 
@@ -32,7 +34,7 @@ The K/V pages the running requests hold are reported against the positions their
 over the passes of the last concurrency-16 run (`Engine.passes`). The first burst after
 `clover-jax serve --precompile` is `benchmarks/serving_burst.py`'s.
 
-Usage: `python benchmarks/serving.py [--rounds 2] [--requests 32] [--medium-requests 48]
+Usage: `python benchmarks/serving.py [--rounds 2] [--requests 256] [--medium-requests 48]
 [--medium-rounds 1] [--quick]`.
 """
 
@@ -221,7 +223,7 @@ def kv_in_use(engine, records) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=32, help="requests per run on the bundled model")
+    parser.add_argument("--requests", type=int, default=256, help="requests per run on the bundled model")
     parser.add_argument("--medium-requests", type=int, default=48,
                         help="requests per run on the medium model (three per client at concurrency 16)")
     parser.add_argument("--medium-rounds", type=int, default=1, help="timed rounds on the medium model")

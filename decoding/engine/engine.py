@@ -618,7 +618,13 @@ class Engine:
         again); the other modes decide on."""
         context, slots = self.context, self.shapes.slots
         self._waited = 0.0
-        mask_of = lambda chosen: np.array([any(t.slot == s for t in chosen) for s in range(slots)])
+
+        def mask_of(chosen: list[Tracked]) -> np.ndarray:
+            """bool [S]: the slots of `chosen`."""
+            mask = np.zeros(slots, bool)
+            mask[[t.slot for t in chosen]] = True
+            return mask
+
         deciding = [t for t in ran if t.ran_decode]
         # (report key, slot structure, program, its arguments after the structure (a function: a grammar's
         # masks are read inside the mode's try), static arguments)

@@ -123,7 +123,7 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
     if isinstance(request.seed, bool) or not isinstance(request.seed, (int, np.integer)) or \
             not 0 <= request.seed < 2**63:
         raise FieldError("seed", f"seed must be an integer in [0, 2**63), got {request.seed!r}")
-    resolve_params(config.schedule, config.schedule_params, config)  # names, types and ranges
+    schedule = schedule_rows(config, whole_blocks=decoder.whole_blocks)  # names, types and ranges checked
     if request.logprobs is not None:
         if decoder.mode != Mode.DIFFUSION:
             raise FieldError("logprobs", "the engine records log-probabilities in diffusion mode only (the causal "
@@ -142,13 +142,38 @@ def prepare(model, request: EngineRequest, max_context: int) -> PreparedRequest:
     grammar = None
     if config.constraint is not None:  # compiled here, so a grammar llguidance refuses fails before any compute
         grammar = matcher_for(model, config, thinking)
-    schedule = None
-    if decoder.whole_blocks:
-        schedule = jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
-                                          SCHEDULES.params(config.schedule, config.schedule_params, config))
     return PreparedRequest(prompt=prompt, mode=decoder.mode, config=config, controls=controls_of(config),
                            thinking=thinking, seed=int(request.seed), key=sequence_key_row(int(request.seed)),
                            schedule=schedule, logprobs=request.logprobs, grammar=grammar)
+
+
+def schedule_rows(config: GenerationConfig, *, whole_blocks: bool) -> dict | None:
+    """The request's `SCHEDULES` parameters ([1] leaves, read-only) when its mode decodes whole
+    blocks, else None; either way its schedule and schedule_params are checked (FieldError).
+    Cached per config: most requests share one, and the switch's parameters resolve every named
+    schedule (~0.07 ms a request, on the engine's thread when a listener submits). Equal configs
+    give equal rows: a config is validated, so equal fields are equal numbers of the same kinds."""
+    try:
+        hash(config)
+    except TypeError:  # schedule_params or a constraint that holds a dict: not cached
+        return _schedule_rows(config, whole_blocks)
+    return _cached_schedule_rows(config, whole_blocks)
+
+
+def _schedule_rows(config: GenerationConfig, whole_blocks: bool) -> dict | None:
+    resolve_params(config.schedule, config.schedule_params, config)
+    if not whole_blocks:
+        return None
+
+    def row(value):
+        array = np.asarray(value)[None]
+        array.setflags(write=False)  # shared by every request of this config
+        return array
+
+    return jax.tree_util.tree_map(row, SCHEDULES.params(config.schedule, config.schedule_params, config))
+
+
+_cached_schedule_rows = functools.lru_cache(maxsize=64)(_schedule_rows)
 
 
 @functools.lru_cache(maxsize=256)

@@ -295,3 +295,29 @@ def test_a_request_whose_last_position_ends_the_context_decodes_as_alone(model, 
     tokens, nfe, _ = alone(model, config, request)
     assert len(tokens) == 51  # 13 + 51 = 64 positions
     assert (result.error, result.tokens, result.stats.nfe) == (None, tokens, nfe)
+
+
+def test_schedule_rows_are_shared_by_equal_configs_and_read_only(controls_config):
+    """A request's schedule parameters are resolved once per config (every named schedule's, for
+    the engine's switch): equal configs share read-only rows equal to a fresh resolution; a config
+    that differs in a field a schedule reads, or holds unhashable schedule_params, gets its own."""
+    import jax
+    import numpy as np
+
+    from decoding.engine.requests import schedule_rows
+    from decoding.engine.slot_states import SCHEDULES
+
+    def fresh(config):
+        return jax.tree_util.tree_map(lambda value: np.asarray(value)[None],
+                                      SCHEDULES.params(config.schedule, config.schedule_params, config))
+
+    config = controls_config.replace(schedule="fast_dllm_threshold", max_new_tokens=4)
+    rows = schedule_rows(config, whole_blocks=True)
+    assert schedule_rows(config.replace(max_new_tokens=4), whole_blocks=True) is rows
+    jax.tree_util.tree_map(np.testing.assert_array_equal, rows, fresh(config))
+    assert not any(leaf.flags.writeable for leaf in jax.tree_util.tree_leaves(rows))
+    other = config.replace(threshold=0.25)
+    assert float(schedule_rows(other, whole_blocks=True)["fast_dllm_threshold"]["threshold"][0]) == 0.25
+    given = config.replace(schedule="fixed_k", schedule_params={"tokens_per_step": 3})
+    jax.tree_util.tree_map(np.testing.assert_array_equal, schedule_rows(given, whole_blocks=True), fresh(given))
+    assert schedule_rows(config, whole_blocks=False) is None
