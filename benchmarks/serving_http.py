@@ -43,7 +43,7 @@ way between a batch of 16 and a batch of 1 (about 1 request in 48 has differed).
 The machine is shared: the server and this process run on the same cores (the server idles while
 this process measures `generate`), and other jobs add noise; compare within a run.
 
-Usage: `python benchmarks/serving_http.py [--rounds 2] [--requests 32] [--medium-requests 48] [--models bundled
+Usage: `python benchmarks/serving_http.py [--rounds 2] [--requests 256] [--medium-requests 48] [--models bundled
 medium] [--no-engine] [--no-precompile] [--quick]`.
 """
 
@@ -349,7 +349,9 @@ def measure_medium(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=32, help="requests per run on the bundled model")
+    parser.add_argument("--requests", type=int, default=256,
+                        help="requests per run on the bundled model (each ends within about two passes: 32 would "
+                             "measure mostly the slots filling and draining)")
     parser.add_argument("--medium-requests", type=int, default=48,
                         help="requests per run on the medium model (three per client, as benchmarks/serving.py: one "
                              "wave of 16 leaves slots idle while the lane waits for its slowest request)")
