@@ -4,7 +4,7 @@ Slots at different points of their decode share one flat row of tokens, K/V in p
 states in slots: a prefill chunk, a block commit fused with the next block's denoising, an
 autoregressive token, verification rows that leave the state as it was, a block alone (of
 another size than the others), every one of them in one pass. Each slot's logits equal the
-contiguous-state pass `generate` runs for that sequence alone (float32, to 1e-5 of the logit
+contiguous-state pass `generate` runs for that sequence alone (float32, to 2e-5 of the logit
 scale: the ragged pass sums attention over pages and the gated delta rule over other chunks),
 and the state each slot is left with is the one the next pass needs.
 """
@@ -56,8 +56,12 @@ def denoised(model, prefix: list[int], block: list[int]):
 
 
 def close(ragged, contiguous):
+    """Equal to 2e-5 of the logit scale. The sums run in another order than the contiguous pass's, and
+    XLA's CPU code orders them by the host's vector width: on an AVX-512 Xeon the first pass's 6-token
+    prompt differs by 1.04e-5 of the scale (failing 1e-5 there, passing on AMD EPYC), every other
+    comparison here by < 3e-6."""
     ragged, contiguous = np.asarray(ragged), np.asarray(contiguous)
-    np.testing.assert_allclose(ragged, contiguous, rtol=0, atol=1e-5 * np.abs(contiguous).max())
+    np.testing.assert_allclose(ragged, contiguous, rtol=0, atol=2e-5 * np.abs(contiguous).max())
 
 
 def test_every_kind_of_segment_in_one_pass_equals_its_sequence_alone(setup):
